@@ -1,0 +1,315 @@
+"""The data contract: layer semantics, dataset layout, manifest, shard keys, atomic writes and the reader.
+
+Everything that writes, checks or converts a dataset goes through this module, so the layout is defined once:
+
+    DATASET/
+      manifest.json                      format, layer ids + semantics, model identity, dtype, counts, shard hashes
+      index.parquet                      one row per sample: sample_id, shard, num_tokens, num_loss_tokens, source_row
+      shards/shard-NNNNN.safetensors     per sample: {sid}/input_ids [T], {sid}/loss_mask [T],
+                                         {sid}/hidden_states/{j} [T, H] for j = 0..L-1 in manifest layer order
+      receipts/shard-NNNNN.json          written after each shard is on disk (used for resume; not part of a
+                                         finished dataset's identity)
+
+The manifest is written last: a directory without `manifest.json` is an unfinished extraction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+FORMAT_NAME = "eagle-states"
+FORMAT_VERSION = 1
+
+# The one statement of what a layer id means. Everything that records or interprets layer ids refers to this.
+LAYER_SEMANTICS = (
+    "layer id k = the residual stream entering decoder layer k (k = 0 is the token embeddings); "
+    "k = num_layers is the last decoder layer's output before the final norm"
+)
+
+
+def eagle3_default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's choice: a low, a middle and a high layer, then the final state before the norm."""
+    ids = [2, num_layers // 2, num_layers - 3, num_layers]
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(f"the EAGLE-3 default {ids} is not usable for a model of {num_layers} layers; give layer ids")
+    return ids
+
+
+def resolve_layer_ids(spec, num_layers: int) -> list[int]:
+    """`spec` is 'eagle3', a list of ints, or a comma-separated string."""
+    if spec is None or spec == "eagle3":
+        return eagle3_default_layer_ids(num_layers)
+    if isinstance(spec, str):
+        spec = [int(part) for part in spec.split(",") if part.strip()]
+    ids = [int(k) for k in spec]
+    if not ids:
+        raise ValueError("layer ids: empty list")
+    bad = [k for k in ids if not 0 <= k <= num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside 0..{num_layers} ({LAYER_SEMANTICS})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layer ids {ids} contain duplicates")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.parquet"
+SHARDS_DIR = "shards"
+RECEIPTS_DIR = "receipts"
+
+_SAMPLE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
+
+
+def check_sample_id(sample_id: str) -> str:
+    if not isinstance(sample_id, str) or not _SAMPLE_ID.match(sample_id):
+        raise ValueError(f"sample id {sample_id!r}: use 1-200 characters of letters, digits, '.', '_', ':', '-'")
+    return sample_id
+
+
+def shard_name(shard_index: int) -> str:
+    return f"shard-{shard_index:05d}"
+
+
+def shard_path(dataset_dir: Path, name: str) -> Path:
+    return Path(dataset_dir) / SHARDS_DIR / f"{name}.safetensors"
+
+
+def receipt_path(dataset_dir: Path, name: str) -> Path:
+    return Path(dataset_dir) / RECEIPTS_DIR / f"{name}.json"
+
+
+def key_input_ids(sample_id: str) -> str:
+    return f"{sample_id}/input_ids"
+
+
+def key_loss_mask(sample_id: str) -> str:
+    return f"{sample_id}/loss_mask"
+
+
+def key_hidden_state(sample_id: str, j: int) -> str:
+    return f"{sample_id}/hidden_states/{j}"
+
+
+_KEY = re.compile(r"^(?P<sid>[^/]+)/(?:(?P<field>input_ids|loss_mask)|hidden_states/(?P<j>\d+))$")
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    sample_id: str
+    field: str  # "input_ids", "loss_mask" or "hidden_states"
+    layer_slot: int | None  # j for hidden_states
+
+
+def parse_key(key: str) -> TensorKey | None:
+    """None for a key that is not part of the contract."""
+    m = _KEY.match(key)
+    if not m:
+        return None
+    if m["field"]:
+        return TensorKey(m["sid"], m["field"], None)
+    return TensorKey(m["sid"], "hidden_states", int(m["j"]))
+
+
+def sample_tensors(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   hidden_states: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The shard entries of one sample. ids and mask are stored as int32 and uint8, states as captured."""
+    out = {key_input_ids(sample_id): input_ids.to(torch.int32).contiguous(),
+           key_loss_mask(sample_id): loss_mask.to(torch.uint8).contiguous()}
+    for j, state in enumerate(hidden_states):
+        out[key_hidden_state(sample_id, j)] = state.contiguous()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atomic writes and hashing
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
+    """Write to a temp file in the same directory, fsync, then rename: a crash never leaves a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: Path, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_shard_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """Serialize a shard, hash the exact bytes, write atomically. Returns (sha256, size in bytes).
+
+    No metadata that varies between runs goes into the file, so the same samples give the same bytes.
+    """
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
+    digest = hashlib.sha256(data).hexdigest()
+    atomic_write_bytes(path, data)
+    return digest, len(data)
+
+
+def hash_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def hash_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda p: p.name):
+        if p.exists():
+            h.update(p.name.encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model identity (recorded in the manifest, and part of cache keys)
+def _weights_fingerprint(model_dir: Path) -> str:
+    """Fingerprint of the weight files without reading terabytes: name, size, the safetensors header (shapes,
+    dtypes, offsets) and 16 sampled 64 KiB blocks of each file."""
+    h = hashlib.sha256()
+    for p in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.bin")):
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            if p.suffix == ".safetensors":
+                header_len = int.from_bytes(f.read(8), "little")
+                h.update(f.read(header_len))
+            for i in range(16):
+                f.seek(size * i // 16)
+                h.update(f.read(64 << 10))
+    return h.hexdigest()
+
+
+def model_identity(model_dir: Path) -> dict:
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    tokenizer_files = [model_dir / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                               "special_tokens_map.json", "tokenizer.model")]
+    return {
+        "path": str(model_dir.resolve()),
+        "architecture": (config.get("architectures") or ["unknown"])[0],
+        "num_layers": int(text_config["num_hidden_layers"]),
+        "hidden_size": int(text_config["hidden_size"]),
+        "vocab_size": int(text_config["vocab_size"]),
+        "config_sha256": hash_json(config),
+        "weights_fingerprint": _weights_fingerprint(model_dir),
+        "tokenizer_sha256": hash_files(tokenizer_files),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manifest
+def build_manifest(*, layer_ids: list[int], model: dict, dtype: str, shards: list[dict], num_samples: int,
+                   num_tokens: int, num_loss_tokens: int, input_sha256: str, versions: dict,
+                   extra: dict | None = None) -> dict:
+    """`shards`: [{name, file, sha256, bytes, num_samples, num_tokens}], in shard order."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "layer_ids": list(layer_ids),
+        "layer_semantics": LAYER_SEMANTICS,
+        "num_layers_captured": len(layer_ids),
+        "model": model,
+        "hidden_size": model["hidden_size"],
+        "dtype": dtype,
+        "num_samples": num_samples,
+        "num_tokens": num_tokens,
+        "num_loss_tokens": num_loss_tokens,
+        "input_sha256": input_sha256,
+        "shards": shards,
+        "versions": versions,
+        **(extra or {}),
+    }
+
+
+def read_manifest(dataset_dir: Path) -> dict:
+    path = Path(dataset_dir) / MANIFEST_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{dataset_dir}: no {MANIFEST_FILE}; this is not a finished dataset")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
+    return manifest
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+INDEX_COLUMNS = ["sample_id", "shard", "num_tokens", "num_loss_tokens", "source_row"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reader
+@dataclass
+class Sample:
+    sample_id: str
+    input_ids: torch.Tensor  # [T] int32
+    loss_mask: torch.Tensor  # [T] uint8
+    hidden_states: list[torch.Tensor]  # L tensors of [T, H], in manifest layer order
+
+
+class Dataset:
+    """Reads a finished dataset: `Dataset(dir)[sample_id]`, or iterate in shard order (one shard open at a time)."""
+
+    def __init__(self, dataset_dir: Path):
+        import pandas as pd
+
+        self.dir = Path(dataset_dir)
+        self.manifest = read_manifest(self.dir)
+        self.layer_ids: list[int] = self.manifest["layer_ids"]
+        self.index = pd.read_parquet(self.dir / INDEX_FILE)
+        self._shard_of = dict(zip(self.index["sample_id"], self.index["shard"]))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return list(self.index["sample_id"])
+
+    def _read(self, f, sample_id: str) -> Sample:
+        return Sample(sample_id, f.get_tensor(key_input_ids(sample_id)), f.get_tensor(key_loss_mask(sample_id)),
+                      [f.get_tensor(key_hidden_state(sample_id, j)) for j in range(len(self.layer_ids))])
+
+    def __getitem__(self, sample_id: str) -> Sample:
+        from safetensors import safe_open
+
+        with safe_open(shard_path(self.dir, self._shard_of[sample_id]), framework="pt") as f:
+            return self._read(f, sample_id)
+
+    def __iter__(self) -> Iterator[Sample]:
+        from safetensors import safe_open
+
+        for shard, rows in self.index.groupby("shard", sort=True):
+            with safe_open(shard_path(self.dir, shard), framework="pt") as f:
+                for sample_id in rows["sample_id"]:
+                    yield self._read(f, sample_id)

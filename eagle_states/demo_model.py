@@ -1,0 +1,134 @@
+"""The built-in default: a small random-weight HF-format model with a locally trained tokenizer and chat template.
+
+Deterministic from a seed (weights, tokenizer and the demo conversations), so tests and the demo always load the
+same bytes through the real loading code. `arch="deepseek-v3"` writes the seed's architecture at toy size
+(MLA with kv_lora_rank + qk_rope_head_dim = 576, as the CPU build of vLLM requires, MoE after a dense layer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+# Llama-3-style template; `{% generation %}` marks what the assistant says (the loss mask).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% generation %}{{ message['content'] }}{{ '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|pad|>"]
+
+_SUBJECTS = ["the river", "a small robot", "the old library", "my neighbour", "the compiler", "a quiet village",
+             "the weather", "this recipe", "the night train", "a chess opening", "the garden", "our team"]
+_VERBS = ["explains", "changes", "remembers", "improves", "describes", "surprises", "follows", "builds"]
+_OBJECTS = ["the way home", "every morning", "a simple plan", "the missing key", "its own rules", "a new idea",
+            "the long winter", "two short stories", "the best answer", "a careful test"]
+_QUESTIONS = ["Can you tell me why {s} {v} {o}?", "What happens when {s} {v} {o}?", "Write a note about {s}.",
+              "How would you describe {o}?", "Summarize how {s} {v} {o}."]
+
+
+def demo_conversations(count: int = 64, seed: int = 0) -> list[dict]:
+    """Deterministic ShareGPT-style conversations of varied length, made by the project itself."""
+    rng = random.Random(seed)
+
+    def sentence():
+        return f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
+
+    rows = []
+    for i in range(count):
+        turns = []
+        if i % 5 == 0:
+            turns.append({"from": "system", "value": "You are a helpful assistant. " + sentence()})
+        for _ in range(rng.choice([1, 1, 2, 3])):
+            q = rng.choice(_QUESTIONS).format(s=rng.choice(_SUBJECTS), v=rng.choice(_VERBS), o=rng.choice(_OBJECTS))
+            turns.append({"from": "human", "value": q})
+            turns.append({"from": "gpt", "value": " ".join(sentence() for _ in range(rng.randint(1, 40)))})
+        rows.append({"id": f"demo-{i:04d}", "conversations": turns})
+    return rows
+
+
+def _train_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = []
+    for row in demo_conversations(400, seed):
+        corpus.extend(t["value"] for t in row["conversations"])
+    corpus += ["user", "assistant", "system", "\n\n"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def _llama_config(vocab: int, layers: int, hidden: int, heads: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                       head_dim=hidden // heads, max_position_embeddings=4096, rope_theta=10000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                       pad_token_id=4, architectures=["LlamaForCausalLM"])
+
+
+def _deepseek_config(vocab: int, layers: int, hidden: int, heads: int):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=4, rope_interleave=True,
+        architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc", scoring_func="sigmoid",
+        num_nextn_predict_layers=0)
+
+
+def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_layers: int = 8,
+                    hidden_size: int = 256, num_heads: int = 4, vocab_size: int = 2048) -> Path:
+    """Write config.json, bf16 model.safetensors, tokenizer files and the chat template into `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(vocab_size, seed), bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        pad_token="<|pad|>", chat_template=CHAT_TEMPLATE, model_max_length=4096)
+    tokenizer.save_pretrained(out_dir)
+
+    make_config = {"llama": _llama_config, "deepseek-v3": _deepseek_config}[arch]
+    config = make_config(len(tokenizer), num_layers, hidden_size, num_heads)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # A wider init than the default 0.02 so that layers change the stream visibly (a shifted layer id shows).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.06)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    config_path = out_dir / "config.json"
+    config_dict = json.loads(config_path.read_text())
+    config_dict["torch_dtype"] = "bfloat16"
+    config_path.write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+def write_demo_conversations(path: Path, count: int = 64, seed: int = 0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in demo_conversations(count, seed)))
+    return path

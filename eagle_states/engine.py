@@ -1,0 +1,176 @@
+"""A vLLM engine with the capture worker, driven through vLLM's public API (LLM, SamplingParams, collective_rpc).
+
+`CaptureEngine.extract(jobs)` keeps the scheduler full across shard boundaries: the requests of the next shard
+are queued while the last ones of the current shard finish, and a shard's file is written by the workers while
+the following shards run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from eagle_states.vllm_capture import SAMPLE_ID_KEY, CaptureError, check_replies
+
+log = logging.getLogger(__name__)
+WORKER_EXTENSION = "eagle_states.vllm_capture.CaptureWorkerExtension"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str
+    layer_ids: tuple[int, ...]
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    write_threads: int = 2
+    extra_engine_args: dict = field(default_factory=dict, hash=False)
+
+
+@dataclass
+class InputSample:
+    sample_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    source_row: int
+
+
+@dataclass
+class ShardJob:
+    name: str
+    path: Path
+    samples: list[InputSample]
+
+
+@dataclass
+class ShardResult:
+    name: str
+    sha256: str
+    bytes: int
+    num_tokens: dict[str, int]
+
+
+def ids_crc(input_ids: list[int]) -> int:
+    """The checksum workers report for the token ids they saw (int32, as the runner holds them)."""
+    return zlib.crc32(np.asarray(input_ids, dtype=np.int32).tobytes())
+
+
+class CaptureEngine:
+    """One loaded model with hooks installed. Create it once; every shard and retry reuses it."""
+
+    instances_created = 0  # counted so tests can assert that a model was (not) loaded
+
+    def __init__(self, settings: EngineSettings):
+        # Hooks need eager mode and the V1 model runner (V2 has its own forward path).
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        from vllm import LLM
+
+        type(self).instances_created += 1
+        self.settings = settings
+        self.llm = LLM(
+            model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            tensor_parallel_size=settings.tensor_parallel_size, seed=settings.seed,
+            enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=True,
+            worker_extension_cls=WORKER_EXTENSION, **settings.extra_engine_args)
+        self.world_size = settings.tensor_parallel_size
+        setup = self._rpc("eagle_setup", list(settings.layer_ids), settings.write_threads)
+        self.num_layers, self.hidden_size = setup["num_layers"], setup["hidden_size"]
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        self._request_counter = 0
+        self._queued: dict[str, tuple[ShardJob, dict[str, int]]] = {}  # shard path -> job, awaiting its file
+
+    def _rpc(self, method: str, *args):
+        return check_replies(self.llm.collective_rpc(method, args=args), method, self.world_size)
+
+    def _sampling_params(self, sample_id: str):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                              extra_args={SAMPLE_ID_KEY: sample_id})
+
+    def extract(self, jobs: list[ShardJob], on_result: Callable[[ShardResult], None] | None = None,
+                max_shards_in_flight: int = 2) -> Iterator[ShardResult]:
+        """Capture every job's samples; yields each shard once its file is on disk."""
+        engine = self.llm.llm_engine
+        pending = list(jobs)
+        in_flight: dict[str, tuple[ShardJob, set[str]]] = {}  # shard name -> (job, unfinished request ids)
+        owner: dict[str, str] = {}  # request id -> shard name
+        try:
+            while pending or in_flight:
+                while pending and len(in_flight) < max_shards_in_flight:
+                    job = pending.pop(0)
+                    request_ids = set()
+                    for sample in job.samples:
+                        self._request_counter += 1
+                        request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
+                        engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
+                                           self._sampling_params(sample.sample_id))
+                        request_ids.add(request_id)
+                        owner[request_id] = job.name
+                    in_flight[job.name] = (job, request_ids)
+                    if not job.samples:
+                        raise ValueError(f"shard {job.name} has no samples")
+                for output in engine.step():
+                    if output.finished and output.request_id in owner:
+                        in_flight[owner.pop(output.request_id)][1].discard(output.request_id)
+                for name in [n for n, (_, left) in in_flight.items() if not left]:
+                    job, _ = in_flight.pop(name)
+                    self._queue_write(job)
+                yield from self._collect(wait=False)
+            yield from self._collect(wait=True)
+        except BaseException:
+            self.reset(list(owner))
+            raise
+
+    def _queue_write(self, job: ShardJob):
+        ids = [s.sample_id for s in job.samples]
+        payload = self._rpc("eagle_write_shard", str(job.path), ids, [s.loss_mask for s in job.samples])
+        for sample in job.samples:
+            seen = payload["samples"].get(sample.sample_id)
+            expected = [len(sample.input_ids), ids_crc(sample.input_ids)]
+            if seen != expected:
+                raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
+                                   f"(tokens, ids crc) = {seen}, the prompt is {expected}")
+        self._queued[str(job.path)] = (job, {s.sample_id: len(s.input_ids) for s in job.samples})
+
+    def _collect(self, wait: bool) -> Iterator[ShardResult]:
+        if not self._queued:
+            return
+        payload = self._rpc("eagle_poll", wait)
+        for path, (sha, size) in payload["written"].items():
+            job, tokens = self._queued.pop(path)
+            yield ShardResult(job.name, sha, size, tokens)
+
+    def reset(self, request_ids: list[str] = ()):
+        """After a failure: abort our requests and drop half-captured samples, keeping the model loaded."""
+        try:
+            if request_ids:
+                self.llm.llm_engine.abort_request(list(request_ids))
+            while self.llm.llm_engine.has_unfinished_requests():
+                self.llm.llm_engine.step()
+            self._rpc("eagle_discard")
+            self._queued = {}
+        except Exception:  # a dead engine cannot be reset; the caller restarts it
+            log.exception("could not reset the capture engine")
+
+    def close(self):
+        import gc
+
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
