@@ -169,7 +169,8 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str,
     """
     from safetensors.torch import save
 
-    data = save(tensors, metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
+    # One metadata key only: safetensors writes metadata in hash-map order, so two keys make the bytes vary.
+    data = save(tensors, metadata={"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"})
     digest = hashlib.sha256(data).hexdigest()
     atomic_write_bytes(path, data)
     return digest, len(data)

