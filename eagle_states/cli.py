@@ -86,6 +86,29 @@ def cmd_extract(args) -> int:
     return 0
 
 
+def prepare_settings(params: PipelineParams):
+    from eagle_states.prepare import PrepareSettings
+
+    p = params.prepare
+    return PrepareSettings(max_length=p.max_length, overlong=p.overlong, min_loss_tokens=p.min_loss_tokens,
+                           limit=p.limit, shuffle_seed=p.shuffle_seed, dedup=p.dedup, format=params.data.format)
+
+
+def cmd_prepare(args) -> int:
+    from eagle_states.prepare import prepare
+
+    overrides = _overrides(args)
+    overrides["prepare.out"] = args.out
+    overrides["data.format"] = args.format
+    params = load_params(args.params, overrides)
+    ensure_model(params)
+    report = prepare(ensure_data(params), Path(params.model.path), Path(params.prepare.out),
+                     prepare_settings(params), progress=not args.no_progress)
+    print(json.dumps({k: report[k] for k in ("format", "rows_read", "rows_written", "rows_skipped",
+                                             "skipped_by_reason")}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -98,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
     p.set_defaults(func=cmd_make_demo_model)
+
+    p = sub.add_parser("prepare", help="conversations -> token ids and assistant loss masks")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--data", help="conversations: JSON array or JSONL (ShareGPT, messages, prompt/text)")
+    p.add_argument("--model", help="model directory whose tokenizer and chat template are used")
+    p.add_argument("--out", help="output directory (default: prepare.out)")
+    p.add_argument("--format", choices=["auto", "sharegpt", "messages", "prompt"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("extract", help="capture hidden states of prepared prompts into a dataset directory")
     p.add_argument("--params", default="params.yaml")
@@ -117,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # bad input or settings: say which, exit 2
         print(f"eagle-states {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,312 @@
+"""Prompt preparation: conversations become token ids and an assistant loss mask, through the target model's own
+chat template and tokenizer. Every input row is either written or recorded in skipped.jsonl with its reason.
+
+Output directory:
+    samples.parquet   sample_id, source_row, input_ids, loss_mask, num_tokens, num_loss_tokens
+    token_freq.json   counts of each token id over the loss tokens (for draft-vocabulary selection)
+    skipped.jsonl     one row per skipped input row: source_row, reason, detail
+    report.json       rows_read, rows_written, rows_skipped, skipped_by_reason, format, ... (written last)
+
+`source_row` is 1-based: the line of a JSONL file, or the position in a JSON array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from eagle_states import contract
+
+log = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.parquet"
+TOKEN_FREQ_FILE = "token_freq.json"
+SKIPPED_FILE = "skipped.jsonl"
+REPORT_FILE = "report.json"
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "system": "system"}
+MESSAGE_ROLES = {"user", "assistant", "system"}
+
+
+class NotAConversationDataset(ValueError):
+    pass
+
+
+class SkipRow(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class PrepareSettings:
+    max_length: int = 2048
+    overlong: str = "truncate"  # or "drop"
+    min_loss_tokens: int = 1
+    limit: int | None = None
+    shuffle_seed: int | None = None
+    dedup: bool = True
+    format: str = "auto"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading: (source_row, parsed row or SkipRow)
+def read_rows(path: Path) -> Iterator[tuple[int, object]]:
+    path = Path(path)
+    raw = path.read_bytes()
+    head = raw.lstrip()[:1]
+    if head == b"[":
+        try:
+            rows = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+        except json.JSONDecodeError as exc:
+            raise NotAConversationDataset(f"{path}: a JSON array that does not parse ({exc})") from None
+        for i, row in enumerate(rows, start=1):
+            yield i, row
+        return
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield n, SkipRow("invalid_utf8", f"byte {exc.start}: {exc.reason}")
+            continue
+        try:
+            yield n, json.loads(text)
+        except json.JSONDecodeError as exc:
+            yield n, SkipRow("malformed_json", exc.msg)
+
+
+def _has_surrogates(obj) -> bool:
+    if isinstance(obj, str):
+        return any("\ud800" <= c <= "\udfff" for c in obj)
+    if isinstance(obj, dict):
+        return any(_has_surrogates(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_surrogates(v) for v in obj)
+    return False
+
+
+def detect_format(rows: list[object]) -> str:
+    for row in rows:
+        if isinstance(row, dict):
+            if isinstance(row.get("conversations"), list):
+                return "sharegpt"
+            if isinstance(row.get("messages"), list):
+                return "messages"
+            if "prompt" in row or "text" in row:
+                return "prompt"
+    raise NotAConversationDataset(
+        "no row has 'conversations' (ShareGPT), 'messages' (OpenAI style) or 'prompt'/'text': "
+        "this is not a conversation dataset")
+
+
+def to_messages(row, fmt: str) -> list[dict] | str:
+    """A row as [{role, content}] (or a plain string for `text` rows); raises SkipRow with the reason."""
+    if not isinstance(row, dict):
+        raise SkipRow("not_an_object", f"a {type(row).__name__}")
+    if fmt == "prompt":
+        if isinstance(row.get("text"), str) and "prompt" not in row:
+            if not row["text"].strip():
+                raise SkipRow("empty_content", "text")
+            return row["text"]
+        prompt = row.get("prompt")
+        answer = next((row[k] for k in ("completion", "response", "output") if k in row), None)
+        turns = [{"role": "user", "content": prompt}]
+        if answer is not None:
+            turns.append({"role": "assistant", "content": answer})
+    else:
+        key, role_key, content_key, roles = (("conversations", "from", "value", SHAREGPT_ROLES) if fmt == "sharegpt"
+                                             else ("messages", "role", "content", {r: r for r in MESSAGE_ROLES}))
+        turns_in = row.get(key)
+        if not isinstance(turns_in, list):
+            raise SkipRow("missing_turns", f"no '{key}' list")
+        turns = []
+        for i, turn in enumerate(turns_in):
+            if not isinstance(turn, dict):
+                raise SkipRow("malformed_turn", f"turn {i} is a {type(turn).__name__}")
+            role = roles.get(turn.get(role_key))
+            if role is None:
+                raise SkipRow("unknown_role", f"turn {i}: {turn.get(role_key)!r}")
+            turns.append({"role": role, "content": turn.get(content_key)})
+    for i, turn in enumerate(turns):
+        if not isinstance(turn["content"], str):
+            raise SkipRow("non_string_content", f"turn {i} ({turn['role']}): {type(turn['content']).__name__}")
+        if not turn["content"].strip():
+            raise SkipRow("empty_content", f"turn {i} ({turn['role']})")
+    if not any(t["role"] == "assistant" for t in turns):
+        raise SkipRow("no_assistant_turn", f"{len(turns)} turns, none from the assistant")
+    return turns
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rendering
+def template_has_generation_markers(tokenizer) -> bool:
+    template = tokenizer.chat_template or ""
+    return "{% generation %}" in template or "{%- generation %}" in template
+
+
+def render_with_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+
+
+def render_by_prefix_diff(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """For templates without {% generation %}: the text each assistant turn adds to the rendering of the
+    conversation before it (with the generation prompt) is that turn; its tokens are found by character offsets
+    (comparing token ids would misplace the boundary where BPE merges differ at the end of a string)."""
+    def text(msgs, gen):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    full = text(messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        through = text(messages[: i + 1], False)
+        if i:
+            before = text(messages[:i], True)
+            start = len(before) if through.startswith(before) else -1
+        else:  # templates refuse an empty conversation: find the generation prompt in the first turn instead
+            probe = [{"role": "user", "content": "x"}]
+            generation_prompt = text(probe, True)[len(text(probe, False)):]
+            start = through.find(generation_prompt) + len(generation_prompt) if generation_prompt in through else -1
+        if start < 0 or not full.startswith(through):
+            raise SkipRow("template_not_prefix_stable", f"rendering turn {i} changes the text before it")
+        spans.append((start, len(through)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= start and end <= b and end > start for a, b in spans))
+            for start, end in encoded["offset_mapping"]]
+    return list(encoded["input_ids"]), mask
+
+
+def render_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    return list(ids), [1] * len(ids)
+
+
+def sample_id_for(messages, template_key: str, occurrence: int = 0) -> str:
+    digest = hashlib.sha256(json.dumps([messages, template_key], sort_keys=True, ensure_ascii=False).encode())
+    base = digest.hexdigest()[:20]
+    return base if occurrence == 0 else f"{base}-{occurrence}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class PrepareResult:
+    samples: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    rows_read: int = 0
+    format: str = ""
+    mask_method: str = ""
+
+
+def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PrepareSettings,
+                 template_key: str, progress: bool = False) -> PrepareResult:
+    from tqdm import tqdm
+
+    result = PrepareResult(rows_read=len(rows))
+    parsed = [r for _, r in rows if not isinstance(r, SkipRow)]
+    result.format = settings.format if settings.format != "auto" else detect_format(parsed)
+    use_markers = template_has_generation_markers(tokenizer)
+    result.mask_method = "generation_markers" if use_markers else "prefix_diff"
+    render = render_with_markers if use_markers else render_by_prefix_diff
+    order = list(range(len(rows)))
+    if settings.shuffle_seed is not None:
+        random.Random(settings.shuffle_seed).shuffle(order)
+    seen: Counter = Counter()
+
+    def skip(source_row, reason, detail=""):
+        result.skipped.append({"source_row": source_row, "reason": reason, "detail": detail})
+
+    for position in tqdm(order, desc="prepare", unit="row", disable=not progress):
+        source_row, row = rows[position]
+        if settings.limit is not None and len(result.samples) >= settings.limit:
+            skip(source_row, "over_limit", f"limit {settings.limit}")
+            continue
+        try:
+            if isinstance(row, SkipRow):
+                raise row
+            if _has_surrogates(row):
+                raise SkipRow("invalid_utf8", "the row holds bytes that are not UTF-8")
+            messages = to_messages(row, result.format)
+            key = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+            if seen[key] and settings.dedup:
+                raise SkipRow("duplicate", "an identical conversation came earlier")
+            occurrence = seen[key]
+            if isinstance(messages, str):
+                ids, mask = render_text(tokenizer, messages)
+            else:
+                ids, mask = render(tokenizer, messages)
+            if len(ids) > settings.max_length:
+                if settings.overlong == "drop":
+                    raise SkipRow("too_long", f"{len(ids)} tokens > max_length {settings.max_length}")
+                ids, mask = ids[: settings.max_length], mask[: settings.max_length]
+            if sum(mask) < settings.min_loss_tokens:
+                raise SkipRow("too_few_loss_tokens", f"{sum(mask)} loss tokens < {settings.min_loss_tokens}")
+            seen[key] += 1
+            result.samples.append({
+                "sample_id": sample_id_for(messages, template_key, occurrence), "source_row": source_row,
+                "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids), "num_loss_tokens": sum(mask)})
+        except SkipRow as exc:
+            skip(source_row, exc.reason, exc.detail)
+    result.skipped.sort(key=lambda s: s["source_row"])
+    return result
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not tokenizer.chat_template:
+        raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PrepareSettings,
+            progress: bool = True) -> dict:
+    """The prepare step (CLI, Prefect task and DVC stage). Returns the report."""
+    import pandas as pd
+
+    tokenizer = load_tokenizer(model_dir)
+    template_key = contract.model_identity(model_dir)["tokenizer_sha256"]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / REPORT_FILE).unlink(missing_ok=True)  # the report marks a finished preparation: drop it first
+    rows = list(read_rows(data_path))
+    if not rows:
+        raise NotAConversationDataset(f"{data_path}: no rows")
+    result = prepare_rows(rows, tokenizer, settings, template_key, progress)
+    log.info("prepare: %s format, masks from %s", result.format, result.mask_method)
+
+    frame = pd.DataFrame(result.samples, columns=["sample_id", "source_row", "input_ids", "loss_mask", "num_tokens",
+                                                   "num_loss_tokens"])
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer, index=False)
+    contract.atomic_write_bytes(out_dir / SAMPLES_FILE, buffer.getvalue())
+    freq = Counter()
+    for s in result.samples:
+        freq.update(t for t, m in zip(s["input_ids"], s["loss_mask"]) if m)
+    contract.atomic_write_json(out_dir / TOKEN_FREQ_FILE, {
+        "vocab_size": len(tokenizer), "total": sum(freq.values()),
+        "counts": {str(t): c for t, c in sorted(freq.items())}})
+    contract.atomic_write_bytes(out_dir / SKIPPED_FILE,
+                                "".join(json.dumps(s) + "\n" for s in result.skipped).encode())
+    report = {
+        "source": str(data_path), "format": result.format, "mask_method": result.mask_method,
+        "rows_read": result.rows_read, "rows_written": len(result.samples), "rows_skipped": len(result.skipped),
+        "skipped_by_reason": dict(sorted(Counter(s["reason"] for s in result.skipped).items())),
+        "num_tokens": int(frame["num_tokens"].sum()), "num_loss_tokens": int(frame["num_loss_tokens"].sum()),
+        "settings": settings.__dict__, "tokenizer_sha256": template_key}
+    if report["rows_read"] != report["rows_written"] + report["rows_skipped"]:
+        raise RuntimeError(f"prepare lost rows: {report}")
+    contract.atomic_write_json(out_dir / REPORT_FILE, report)
+    return report
