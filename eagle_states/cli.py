@@ -109,6 +109,25 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_validate(args) -> int:
+    from eagle_states.validate import validate_dataset
+
+    params = load_params(args.params, {"output.dir": args.dir})
+    try:
+        result = validate_dataset(Path(params.output.dir), Path(args.prepared) if args.prepared else None,
+                                  min_loss_tokens=params.validate_.min_loss_tokens)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"eagle-states validate: could not run: {exc}", file=sys.stderr)
+        return 2
+    if result.valid:
+        print(json.dumps(result.summary))
+        return 0
+    print(result.failures.to_string(index=False, max_rows=50), file=sys.stderr)
+    print(f"INVALID: {len(result.failures)} failures (all listed in {params.output.dir}/validation_failures.csv)",
+          file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -140,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("validate", help="check a dataset against the data contract (exit 0 valid, 1 invalid, 2 error)")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    p.add_argument("--prepared", help="the prepared input, to check that no sample is missing or extra")
+    p.add_argument("--params", default="params.yaml")
+    p.set_defaults(func=cmd_validate)
     return parser
 
 

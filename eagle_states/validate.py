@@ -1,0 +1,302 @@
+"""Schema validation of a dataset, read from its files rather than from what the writer believed.
+
+Tables are built from safetensors headers (shapes, dtypes: no tensor loads) and from one streaming pass over the
+tensors (NaN/Inf, token ids, loss masks), shard by shard with one tensor in memory at a time; then pandera
+schemas that encode the data contract check them lazily, so every failure is reported at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import pandera.pandas as pa
+from pandera.typing import Series
+
+from eagle_states import contract
+
+log = logging.getLogger(__name__)
+REPORT_FILE = "validation.json"
+FAILURES_FILE = "validation_failures.csv"
+
+
+class ValidationFailed(Exception):
+    """The dataset breaks the contract (deterministic: never retried)."""
+
+    def __init__(self, result: "ValidationResult"):
+        super().__init__(f"{len(result.failures)} validation failures; first: "
+                         + "; ".join(f"{r.sample_id} layer {r.layer}: {r.check} (observed {r.observed})"
+                                     for r in result.failures.head(3).itertuples()))
+        self.result = result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the files
+def read_safetensors_header(path: Path) -> dict:
+    """The header of a safetensors file, validated against its size (a truncated file fails here)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"header of {n} bytes in a file of {size}")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"tensors end at byte {8 + n + end}, the file has {size} (truncated or padded)")
+    return header
+
+
+@dataclass
+class Tables:
+    shards: pd.DataFrame
+    samples: pd.DataFrame
+    presence: pd.DataFrame  # every sample id expected or found: how often found, whether expected
+    layers: pd.DataFrame
+    keys: pd.DataFrame  # keys that are not part of the contract
+    bytes_read: int = 0
+
+
+def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str], content: bool = True) -> Tables:
+    """`expected_ids`: sample id -> where it is expected (the index, the prepared input)."""
+    import torch
+    from safetensors import safe_open
+
+    dataset_dir = Path(dataset_dir)
+    shard_rows, sample_rows, layer_rows, stray_keys = [], {}, [], []
+    bytes_read = 0
+    for shard in manifest["shards"]:
+        path = dataset_dir / shard["file"]
+        row = {"shard": shard["name"], "exists": path.exists(), "readable": False, "sha256_matches": False,
+               "error": ""}
+        shard_rows.append(row)
+        if not row["exists"]:
+            row["error"] = "missing"
+            continue
+        try:
+            header = read_safetensors_header(path)
+            row["readable"] = True
+        except (ValueError, json.JSONDecodeError) as exc:
+            row["error"] = str(exc)
+            continue
+        row["sha256_matches"] = contract.sha256_file(path) == shard["sha256"]
+        bytes_read += path.stat().st_size
+        f = safe_open(path, framework="pt") if content else None
+        for key, info in header.items():
+            parsed = contract.parse_key(key)
+            if parsed is None:
+                stray_keys.append({"shard": shard["name"], "key": key, "shape": str(info["shape"])})
+                continue
+            sample = sample_rows.setdefault((shard["name"], parsed.sample_id), {
+                "sample_id": parsed.sample_id, "shard": shard["name"], "num_layers": 0, "max_slot": -1,
+                "input_ids_len": -1, "loss_mask_len": -1, "loss_tokens": -1, "ids_min": 0, "ids_max": 0,
+                "ids_dtype": "", "mask_values_ok": True})
+            shape = info["shape"]
+            if parsed.field == "hidden_states":
+                layer = {"sample_id": parsed.sample_id, "shard": shard["name"], "layer": parsed.layer_slot,
+                         "ndim": len(shape), "tokens": shape[0] if shape else -1,
+                         "hidden": shape[1] if len(shape) > 1 else -1, "dtype": info["dtype"],
+                         "nan": 0, "inf": 0}
+                if f is not None:
+                    t = f.get_tensor(key)
+                    layer["nan"] = int(torch.isnan(t).sum())
+                    layer["inf"] = int(torch.isinf(t).sum())
+                layer_rows.append(layer)
+                sample["num_layers"] += 1
+                sample["max_slot"] = max(sample["max_slot"], parsed.layer_slot)
+            elif parsed.field == "input_ids":
+                sample["input_ids_len"] = shape[0] if len(shape) == 1 else -1
+                sample["ids_dtype"] = info["dtype"]
+                if f is not None:
+                    t = f.get_tensor(key)
+                    sample["ids_min"], sample["ids_max"] = (int(t.min()), int(t.max())) if t.numel() else (0, 0)
+            else:
+                sample["loss_mask_len"] = shape[0] if len(shape) == 1 else -1
+                if f is not None:
+                    t = f.get_tensor(key)
+                    sample["loss_tokens"] = int(t.sum())
+                    sample["mask_values_ok"] = bool(((t == 0) | (t == 1)).all())
+    samples = pd.DataFrame(sample_rows.values(), columns=[
+        "sample_id", "shard", "num_layers", "max_slot", "input_ids_len", "loss_mask_len", "loss_tokens", "ids_min",
+        "ids_max", "ids_dtype", "mask_values_ok"])
+    counts = samples["sample_id"].value_counts()
+    presence = pd.DataFrame({"sample_id": sorted(set(expected_ids) | set(counts.index))})
+    presence["occurrences"] = presence["sample_id"].map(counts).fillna(0).astype(int)
+    presence["expected"] = presence["sample_id"].isin(set(expected_ids))
+    layers = pd.DataFrame(layer_rows, columns=["sample_id", "shard", "layer", "ndim", "tokens", "hidden", "dtype",
+                                               "nan", "inf"])
+    layers = layers.merge(samples[["sample_id", "shard", "input_ids_len"]], on=["sample_id", "shard"], how="left")
+    return Tables(pd.DataFrame(shard_rows), samples, presence, layers,
+                  pd.DataFrame(stray_keys, columns=["shard", "key", "shape"]), bytes_read)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The schemas: the contract, parameterized by the manifest
+class _Coerced(pa.DataFrameModel):
+    class Config:
+        coerce = True  # column types as the contract says (an empty table has no inferred types)
+
+
+def schemas(manifest: dict, min_loss_tokens: int):
+    # (names differ from the columns: a class body cannot read an enclosing variable it also assigns)
+    want_layers = len(manifest["layer_ids"])
+    want_hidden = manifest["hidden_size"]
+    want_dtype = contract.SAFETENSORS_DTYPES[manifest["dtype"]]
+    vocab = manifest["model"]["vocab_size"]
+
+    class ShardSchema(_Coerced):
+        shard: Series[str]
+        exists: Series[bool] = pa.Field(eq=True)
+        readable: Series[bool] = pa.Field(eq=True)
+        sha256_matches: Series[bool] = pa.Field(eq=True)
+
+    class SampleSchema(_Coerced):
+        sample_id: Series[str]
+        num_layers: Series[int] = pa.Field(eq=want_layers)
+        max_slot: Series[int] = pa.Field(eq=want_layers - 1)
+        input_ids_len: Series[int] = pa.Field(gt=0)
+        loss_tokens: Series[int] = pa.Field(ge=min_loss_tokens)
+        ids_min: Series[int] = pa.Field(ge=0)
+        ids_max: Series[int] = pa.Field(lt=vocab)
+        ids_dtype: Series[str] = pa.Field(isin=["I32", "I64"])
+        mask_values_ok: Series[bool] = pa.Field(eq=True)
+
+        @pa.dataframe_check
+        def loss_mask_as_long_as_ids(cls, df: pd.DataFrame) -> Series[bool]:
+            return df["loss_mask_len"] == df["input_ids_len"]
+
+    class PresenceSchema(_Coerced):
+        sample_id: Series[str]
+        occurrences: Series[int] = pa.Field(eq=1)  # 0: missing, 2+: duplicated
+        expected: Series[bool] = pa.Field(eq=True)  # in the index / the prepared input
+
+    class LayerSchema(_Coerced):
+        sample_id: Series[str]
+        layer: Series[int] = pa.Field(ge=0, lt=want_layers)
+        ndim: Series[int] = pa.Field(eq=2)
+        hidden: Series[int] = pa.Field(eq=want_hidden)
+        dtype: Series[str] = pa.Field(eq=want_dtype)
+        nan: Series[int] = pa.Field(eq=0)
+        inf: Series[int] = pa.Field(eq=0)
+
+        @pa.dataframe_check
+        def tokens_equal_input_ids(cls, df: pd.DataFrame) -> Series[bool]:
+            return df["tokens"] == df["input_ids_len"]
+
+    class KeySchema(_Coerced):
+        key: Series[str] = pa.Field(isin=[])  # any key outside the contract is a failure
+
+    return {"shards": ShardSchema, "samples": SampleSchema, "presence": PresenceSchema, "layers": LayerSchema,
+            "keys": KeySchema}
+
+
+def manifest_failures(manifest: dict, index: pd.DataFrame) -> list[dict]:
+    out = []
+    n = manifest["model"]["num_layers"]
+    for k in manifest["layer_ids"]:
+        if not 0 <= k <= n:
+            out.append({"table": "manifest", "sample_id": "", "layer": k, "check": f"layer id in 0..{n}",
+                        "observed": k})
+    if manifest.get("layer_semantics") != contract.LAYER_SEMANTICS:
+        out.append({"table": "manifest", "sample_id": "", "layer": "", "check": "layer semantics",
+                    "observed": manifest.get("layer_semantics")})
+    if manifest["num_samples"] != len(index):
+        out.append({"table": "manifest", "sample_id": "", "layer": "", "check": f"num_samples == {len(index)} (index)",
+                    "observed": manifest["num_samples"]})
+    return out
+
+
+def _failure_rows(name: str, table: pd.DataFrame, error: pa.errors.SchemaErrors) -> list[dict]:
+    """(table, sample, layer, check, observed) per failure; a row-wise check over several columns counts once."""
+    rows, seen = [], set()
+    for case in error.failure_cases.itertuples():
+        index = case.index if case.index is not None and case.index in table.index else None
+        record = None if index is None else table.loc[index]
+        whole_row = case.schema_context == "DataFrameSchema"
+        check = str(case.check) if whole_row or not case.column else f"{case.column}: {case.check}"
+        if (index, check) in seen:
+            continue
+        seen.add((index, check))
+        if record is not None and whole_row:
+            observed = ", ".join(f"{c} {record[c]}" for c in ("tokens", "loss_mask_len", "input_ids_len")
+                                 if c in record)
+        else:
+            observed = case.failure_case
+        label = "" if record is None else str(record["sample_id"] if "sample_id" in record else record["shard"])
+        rows.append({"table": name, "sample_id": label,
+                     "layer": int(record["layer"]) if record is not None and "layer" in record else "",
+                     "check": check, "observed": observed})
+    return rows
+
+
+@dataclass
+class ValidationResult:
+    valid: bool
+    failures: pd.DataFrame
+    summary: dict = field(default_factory=dict)
+
+
+def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_loss_tokens: int = 0,
+                     write_report: bool = True) -> ValidationResult:
+    """Validate a dataset directory; writes validation.json (and validation_failures.csv when invalid).
+
+    Raises OSError/FileNotFoundError when it cannot run (I/O, worth a retry); returns a result otherwise.
+    """
+    started = time.time()
+    dataset_dir = Path(dataset_dir)
+    manifest = contract.read_manifest(dataset_dir)
+    index = pd.read_parquet(dataset_dir / contract.INDEX_FILE)
+    expected = {sid: "index" for sid in index["sample_id"]}
+    if prepared_dir is not None:
+        prepared = pd.read_parquet(Path(prepared_dir) / "samples.parquet", columns=["sample_id"])
+        for sid in prepared["sample_id"]:
+            expected.setdefault(sid, "prepared input")
+        for sid in set(index["sample_id"]) - set(prepared["sample_id"]):
+            expected.pop(sid, None)  # in the dataset but not in the prepared input: unexpected
+    tables = build_tables(dataset_dir, manifest, expected)
+    failures = manifest_failures(manifest, index)
+    for name, schema in schemas(manifest, min_loss_tokens).items():
+        table = getattr(tables, name)
+        try:
+            schema.validate(table, lazy=True)
+        except pa.errors.SchemaErrors as exc:
+            failures += _failure_rows(name, table, exc)
+    if index["sample_id"].duplicated().any():
+        for sid in index.loc[index["sample_id"].duplicated(), "sample_id"]:
+            failures.append({"table": "index", "sample_id": sid, "layer": "", "check": "unique in index",
+                             "observed": "duplicate"})
+    failures_frame = pd.DataFrame(failures, columns=["table", "sample_id", "layer", "check", "observed"])
+    elapsed = time.time() - started
+    summary = {
+        "valid": failures_frame.empty, "samples": int(tables.samples["sample_id"].nunique()),
+        "tokens": int(tables.layers.drop_duplicates("sample_id")["tokens"].clip(lower=0).sum()),
+        "bytes": int(tables.bytes_read), "layers": manifest["layer_ids"], "dtype": manifest["dtype"],
+        "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
+        "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
+        "dataset_manifest_sha256": contract.sha256_file(dataset_dir / contract.MANIFEST_FILE)}
+    if write_report:
+        contract.atomic_write_json(dataset_dir / REPORT_FILE, summary)
+        failures_path = dataset_dir / FAILURES_FILE
+        if failures_frame.empty:
+            failures_path.unlink(missing_ok=True)
+        else:
+            contract.atomic_write_bytes(failures_path, failures_frame.to_csv(index=False).encode())
+    return ValidationResult(failures_frame.empty, failures_frame, summary)
+
+
+def is_validated(dataset_dir: Path) -> bool:
+    """True if the dataset passed validation and has not changed since (its manifest hash is the same)."""
+    report = Path(dataset_dir) / REPORT_FILE
+    manifest = Path(dataset_dir) / contract.MANIFEST_FILE
+    if not report.exists() or not manifest.exists():
+        return False
+    summary = json.loads(report.read_text())
+    return bool(summary.get("valid")) and summary.get("dataset_manifest_sha256") == contract.sha256_file(manifest)

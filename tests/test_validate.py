@@ -1,0 +1,146 @@
+"""Validation names each corruption the seed and the peers' bug reports describe, read from the files."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import random_prompts, write_prompt_jsonl
+from eagle_states import contract
+from eagle_states.cli import main as cli
+from eagle_states.extract import ExtractionSettings, run_extraction
+from eagle_states.validate import validate_dataset
+
+
+@pytest.fixture(scope="module")
+def good_dataset(tmp_path_factory, llama_model):
+    tmp = tmp_path_factory.mktemp("valid")
+    source = write_prompt_jsonl(tmp / "prompts.jsonl", random_prompts([5, 17, 40, 3, 64, 9], 300, seed=5))
+    settings = ExtractionSettings(model=llama_model, layer_ids="eagle3", dtype="float32", shard_max_tokens=70,
+                                  max_model_len=256, max_num_batched_tokens=128, gpu_memory_utilization=0.1)
+    run_extraction(settings, source, tmp / "dataset", progress=False)
+    dataset = tmp / "dataset"
+    assert [s["num_samples"] for s in contract.read_manifest(dataset)["shards"]] == [4, 1, 1]  # p000-p003, p004, p005
+    return dataset
+
+
+@pytest.fixture
+def copy(tmp_path, good_dataset):
+    out = tmp_path / "dataset"
+    shutil.copytree(good_dataset, out)
+    return out
+
+
+def rewrite(dataset, shard, change, update_manifest=True):
+    """Apply `change` to a shard's tensors and rewrite it; keep the manifest's hash in step unless told not to."""
+    path = contract.shard_path(dataset, shard)
+    tensors = load_file(path)
+    change(tensors)
+    sha, size = contract.write_shard_file(path, tensors)
+    if update_manifest:
+        manifest = json.loads((dataset / "manifest.json").read_text())
+        for s in manifest["shards"]:
+            if s["name"] == shard:
+                s["sha256"], s["bytes"] = sha, size
+        (dataset / "manifest.json").write_text(json.dumps(manifest))
+
+
+def checks(result):
+    return {(row.sample_id, str(row.layer), row.check) for row in result.failures.itertuples()}
+
+
+def test_a_correct_dataset_is_valid(good_dataset, capsys):
+    result = validate_dataset(good_dataset, min_loss_tokens=1)
+    assert result.valid, result.failures
+    assert result.summary["samples"] == 6 and result.summary["layers"] == [2, 4, 5, 8]
+    assert result.summary["tokens"] == 5 + 17 + 40 + 3 + 64 + 9
+    assert cli(["validate", str(good_dataset)]) == 0
+
+
+def test_layer_replaced_by_its_first_row(copy):
+    rewrite(copy, "shard-00000", lambda t: t.update({"p000/hidden_states/1": t["p000/hidden_states/1"][0]}))
+    result = validate_dataset(copy)
+    assert not result.valid
+    assert ("p000", "1", "equal_to(2)") in {(s, l, c.replace("ndim: ", "")) for s, l, c in checks(result)}
+
+
+def test_list_replaced_by_one_layers_tensor(copy):
+    def seed_bug(t):
+        first = t["p001/hidden_states/0"]
+        for j in range(4):
+            del t[f"p001/hidden_states/{j}"]
+        t["p001/hidden_states"] = first
+    rewrite(copy, "shard-00000", seed_bug)
+    result = validate_dataset(copy)
+    found = checks(result)
+    assert any(s == "p001" and "num_layers" in c for s, _, c in found)
+    assert any("key" in c for _, _, c in found)  # the stray key is named too
+
+
+def test_three_layers_where_four_are_declared(copy):
+    rewrite(copy, "shard-00000", lambda t: t.pop("p001/hidden_states/3"))
+    found = checks(validate_dataset(copy))
+    assert any(s == "p001" and "num_layers" in c for s, _, c in found)
+
+
+def test_one_row_more_than_the_ids(copy):
+    rewrite(copy, "shard-00000", lambda t: t.update(
+        {"p000/hidden_states/2": torch.cat([t["p000/hidden_states/2"], t["p000/hidden_states/2"][:1]])}))
+    found = checks(validate_dataset(copy))
+    assert ("p000", "2", "tokens_equal_input_ids") in found
+
+
+def test_a_nan(copy):
+    def nan(t):
+        t["p002/hidden_states/3"][4, 7] = float("nan")
+    rewrite(copy, "shard-00000", nan)
+    assert any(s == "p002" and l == "3" and "nan" in c for s, l, c in checks(validate_dataset(copy)))
+
+
+def test_wrong_dtype(copy):
+    rewrite(copy, "shard-00000", lambda t: t.update({"p000/hidden_states/0": t["p000/hidden_states/0"].half()}))
+    assert any(s == "p000" and l == "0" and "dtype" in c for s, l, c in checks(validate_dataset(copy)))
+
+
+def test_a_missing_and_a_duplicated_sample(copy):
+    def move(t):
+        for key in [k for k in t if k.startswith("p000/")]:
+            t[key.replace("p000/", "p004/")] = t.pop(key)
+    rewrite(copy, "shard-00000", move)  # p000 is gone; p004 is now in two shards
+    found = checks(validate_dataset(copy))
+    assert ("p000", "", "occurrences: equal_to(1)") in found  # missing: found 0 times
+    assert ("p004", "", "occurrences: equal_to(1)") in found  # duplicated
+
+
+def test_a_shard_changed_after_the_manifest(copy):
+    def scale(t):
+        t["p000/hidden_states/0"] *= 1.0001
+    rewrite(copy, "shard-00000", scale, update_manifest=False)
+    assert ("shard-00000", "", "sha256_matches: equal_to(True)") in checks(validate_dataset(copy))
+
+
+def test_a_truncated_shard(copy, capsys):
+    path = contract.shard_path(copy, "shard-00001")
+    path.write_bytes(path.read_bytes()[:-1000])
+    result = validate_dataset(copy)
+    found = checks(result)
+    assert any(s == "shard-00001" and "readable" in c for s, _, c in found)
+    assert ("p004", "", "occurrences: equal_to(1)") in found  # its sample is missing
+    assert cli(["validate", str(copy)]) == 1
+    assert (copy / "validation_failures.csv").exists()
+
+
+def test_a_token_id_outside_the_vocabulary_and_too_few_loss_tokens(copy):
+    def change(t):
+        t["p003/input_ids"][0] = 10 ** 6
+        t["p003/loss_mask"].zero_()
+    rewrite(copy, "shard-00000", change)
+    found = checks(validate_dataset(copy, min_loss_tokens=1))
+    assert any(s == "p003" and "ids_max" in c for s, _, c in found)
+    assert any(s == "p003" and "loss_tokens" in c for s, _, c in found)
+
+
+def test_cannot_run_is_exit_2(tmp_path):
+    assert cli(["validate", str(tmp_path / "nothing")]) == 2
