@@ -67,7 +67,7 @@ def cmd_make_demo_model(args) -> int:
     from eagle_states.demo_model import make_demo_model
 
     make_demo_model(Path(args.dir), seed=args.seed, arch=args.arch, num_layers=args.layers,
-                    hidden_size=args.hidden, num_heads=args.hidden // 64)
+                    hidden_size=args.hidden, num_heads=args.hidden // 64, device=args.device)
     print(f"demo model written to {args.dir}")
     return 0
 
@@ -128,6 +128,20 @@ def cmd_validate(args) -> int:
     return 1
 
 
+def cmd_bench(args) -> int:
+    from eagle_states.bench import format_result, run_benchmark
+
+    result = run_benchmark(Path(args.model), Path(args.out), num_prompts=args.prompts, prompt_len=args.prompt_len,
+                           layer_ids=args.layer_ids, rounds=args.rounds, dtype=args.dtype,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           shard_max_tokens=args.shard_max_tokens, disk_probe_bytes=int(args.disk_probe_gb * 2**30))
+    print(format_result(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -135,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-demo-model", help="write the built-in small random-weight model")
     p.add_argument("dir")
+    p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is faster for big shapes)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arch", choices=["llama", "deepseek-v3"], default="llama")
+    p.add_argument("--arch", choices=["llama", "deepseek-v3", "deepseek-v3-real"], default="llama",
+                   help="deepseek-v3-real: DeepSeek-V3's real widths (hidden 7168, 128 MLA heads), 32 experts")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
     p.set_defaults(func=cmd_make_demo_model)
@@ -159,6 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("bench", help="plain prefill vs capture to disk, interleaved on one engine")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", default="work/bench")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--layer-ids", default="eagle3")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--shard-max-tokens", type=int, default=65536)
+    p.add_argument("--disk-probe-gb", type=float, default=2.0)
+    p.add_argument("--json", help="also write the figures as JSON here")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("validate", help="check a dataset against the data contract (exit 0 valid, 1 invalid, 2 error)")
     p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")

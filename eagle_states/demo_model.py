@@ -95,8 +95,23 @@ def _deepseek_config(vocab: int, layers: int, hidden: int, heads: int):
         num_nextn_predict_layers=0)
 
 
+def _deepseek_real_config(vocab: int, layers: int, hidden: int, heads: int):
+    """DeepSeek-V3's real widths (hidden 7168, 128 heads of MLA, experts of 2048) with fewer layers and experts."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=layers, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=32, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=4, rope_interleave=True,
+        architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc", scoring_func="sigmoid",
+        num_nextn_predict_layers=0)
+
+
 def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_layers: int = 8,
-                    hidden_size: int = 256, num_heads: int = 4, vocab_size: int = 2048) -> Path:
+                    hidden_size: int = 256, num_heads: int = 4, vocab_size: int = 2048, device: str = "cpu") -> Path:
     """Write config.json, bf16 model.safetensors, tokenizer files and the chat template into `out_dir`."""
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -108,10 +123,12 @@ def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_la
         pad_token="<|pad|>", chat_template=CHAT_TEMPLATE, model_max_length=4096)
     tokenizer.save_pretrained(out_dir)
 
-    make_config = {"llama": _llama_config, "deepseek-v3": _deepseek_config}[arch]
+    make_config = {"llama": _llama_config, "deepseek-v3": _deepseek_config,
+                   "deepseek-v3-real": _deepseek_real_config}[arch]
     config = make_config(len(tokenizer), num_layers, hidden_size, num_heads)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     # A wider init than the default 0.02 so that layers change the stream visibly (a shifted layer id shows).
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -119,7 +136,7 @@ def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_la
                 p.normal_(0.0, 0.06)
             elif name.endswith("e_score_correction_bias"):
                 p.zero_()
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    model.to(torch.bfloat16).to("cpu").save_pretrained(out_dir)
     config_path = out_dir / "config.json"
     config_dict = json.loads(config_path.read_text())
     config_dict["torch_dtype"] = "bfloat16"

@@ -1,0 +1,131 @@
+"""Benchmark: plain prefill against the full extraction (states on disk, manifest and all), interleaved in one
+process on one engine, so both see the same model, settings, prompts and machine state.
+
+Plain prefill is `llm.generate(..., max_tokens=1)` without sample ids: the capture hooks stay idle, which is
+what vLLM does without this project. Capture is `Extraction.run` into a fresh directory each round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from eagle_states.engine import EngineHolder
+from eagle_states.extract import Extraction, ExtractionSettings
+
+
+def disk_write_bandwidth(directory: Path, total_bytes: int = 2 << 30, block: int = 64 << 20) -> float:
+    """GB/s of a plain sequential write with fsync into `directory` (what bounds the capture's write speed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / ".bench-disk-probe"
+    data = os.urandom(block)
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(total_bytes // block):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - started
+    path.unlink()
+    return total_bytes / elapsed / 1e9
+
+
+def _peak_gpu_bytes() -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: int, layer_ids="eagle3",
+                  rounds: int = 3, dtype: str = "auto", max_num_batched_tokens: int = 8192,
+                  max_num_seqs: int = 64, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                  shard_max_tokens: int = 65536, seed: int = 0, disk_probe_bytes: int = 2 << 30) -> dict:
+    import random
+
+    from vllm import SamplingParams
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = ExtractionSettings(model=Path(model), layer_ids=layer_ids, dtype=dtype,
+                                  shard_max_tokens=shard_max_tokens,
+                                  max_model_len=max_model_len or prompt_len + 16,
+                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                  gpu_memory_utilization=gpu_memory_utilization)
+    rng = random.Random(seed)
+    vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
+    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+    source = out_dir / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"b{i:06d}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    tokens = num_prompts * prompt_len
+
+    holder = EngineHolder()
+    started = time.perf_counter()
+    extraction = Extraction(settings, source, out_dir / "dataset")
+    engine = holder(extraction.engine_settings())
+    engine_start_s = time.perf_counter() - started
+    plain_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    # Warm both paths once (allocator, pinned host buffers, page cache) before anything is timed.
+    engine.llm.generate(requests[: max(1, num_prompts // 8)], plain_params, use_tqdm=False)
+    rounds_out = []
+    try:
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            engine.llm.generate(requests, plain_params, use_tqdm=False)
+            plain_s = time.perf_counter() - t0
+            target = out_dir / "dataset"
+            shutil.rmtree(target, ignore_errors=True)
+            t0 = time.perf_counter()
+            manifest = Extraction(settings, source, target).run(holder)
+            capture_s = time.perf_counter() - t0
+            written = sum(s["bytes"] for s in manifest["shards"])
+            rounds_out.append({"round": r, "plain_s": plain_s, "capture_s": capture_s,
+                               "plain_tok_s": tokens / plain_s, "capture_tok_s": tokens / capture_s,
+                               "ratio": plain_s / capture_s, "bytes_written": written,
+                               "write_gb_s": written / capture_s / 1e9})
+            print(f"round {r}: plain {tokens / plain_s:,.0f} tok/s | capture {tokens / capture_s:,.0f} tok/s | "
+                  f"ratio {plain_s / capture_s:.3f} | {written / capture_s / 1e9:.2f} GB/s written", flush=True)
+            shutil.rmtree(target, ignore_errors=True)
+    finally:
+        holder.close()
+    disk = disk_write_bandwidth(out_dir, disk_probe_bytes)
+    ratio = statistics.median(r["ratio"] for r in rounds_out)
+    result = {
+        "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
+        "layer_ids": extraction.layer_ids, "dtype": extraction.dtype, "hidden_size": extraction.model["hidden_size"],
+        "bytes_per_token": 4 if extraction.dtype == "float32" else 2,
+        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs, "rounds": rounds_out,
+        "plain_tok_s_median": statistics.median(r["plain_tok_s"] for r in rounds_out),
+        "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),
+        "ratio_median": ratio, "write_gb_s_median": statistics.median(r["write_gb_s"] for r in rounds_out),
+        "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
+        "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
+    }
+    result["bytes_per_token"] *= result["hidden_size"] * len(result["layer_ids"])
+    return result
+
+
+def format_result(result: dict) -> str:
+    lines = [
+        f"model {result['model']} ({result['dtype']}, hidden {result['hidden_size']}, layers {result['layer_ids']})",
+        f"{result['prompts']} prompts x {result['prompt_len']} tokens per round, {len(result['rounds'])} rounds, "
+        f"max_num_batched_tokens {result['max_num_batched_tokens']}",
+        f"plain prefill   {result['plain_tok_s_median']:>12,.0f} tokens/s (median)",
+        f"capture to disk {result['capture_tok_s_median']:>12,.0f} tokens/s (median)",
+        f"ratio capture/plain {result['ratio_median']:.3f}",
+        f"written {result['write_gb_s_median']:.2f} GB/s ({result['bytes_per_token']:,} bytes/token); "
+        f"disk alone {result['disk_write_gb_s']:.2f} GB/s",
+        f"peak host RSS {result['peak_host_rss_gb']:.1f} GB"
+        + (f", peak GPU reserved {result['peak_gpu_reserved_gb']:.1f} GB" if result['peak_gpu_reserved_gb'] else ""),
+        f"engine start {result['engine_start_s']:.1f} s",
+    ]
+    return "\n".join(lines)
