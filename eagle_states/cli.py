@@ -11,44 +11,6 @@ from pathlib import Path
 
 from eagle_states.params import PipelineParams, load_params
 
-log = logging.getLogger("eagle_states")
-
-
-def ensure_model(params: PipelineParams) -> Path:
-    path = Path(params.model.path)
-    if not (path / "config.json").exists():
-        if not params.model.build_demo_if_missing:
-            raise SystemExit(f"model directory {path} has no config.json")
-        from eagle_states.demo_model import make_demo_model
-
-        log.warning("building the built-in random-weight demo model at %s", path)
-        make_demo_model(path)
-    return path
-
-
-def ensure_data(params: PipelineParams) -> Path:
-    path = Path(params.data.path)
-    if not path.exists():
-        if not params.data.build_demo_if_missing:
-            raise SystemExit(f"data file {path} does not exist")
-        from eagle_states.demo_model import write_demo_conversations
-
-        log.warning("writing the built-in demo conversations at %s", path)
-        write_demo_conversations(path)
-    return path
-
-
-def extraction_settings(params: PipelineParams):
-    from eagle_states.extract import ExtractionSettings
-
-    e = params.extract
-    return ExtractionSettings(
-        model=Path(params.model.path), layer_ids=e.layer_ids, dtype=e.dtype, shard_max_tokens=e.shard_max_tokens,
-        max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
-        gpu_memory_utilization=e.gpu_memory_utilization, tensor_parallel_size=e.tensor_parallel_size,
-        write_threads=e.write_threads)
-
-
 def _overrides(args) -> dict:
     out = {}
     if getattr(args, "model", None):
@@ -74,11 +36,13 @@ def cmd_make_demo_model(args) -> int:
 
 def cmd_extract(args) -> int:
     from eagle_states.extract import run_extraction
+    from eagle_states.pipeline import extraction_settings
 
     overrides = _overrides(args)
     overrides["output.dir"] = args.out
     params = load_params(args.params, overrides)
-    ensure_model(params)
+    if not (Path(params.model.path) / "config.json").exists():
+        raise FileNotFoundError(f"model directory {params.model.path} has no config.json")
     manifest = run_extraction(extraction_settings(params), Path(params.extract_input), Path(params.output.dir),
                               progress=not args.no_progress)
     print(json.dumps({k: manifest[k] for k in ("num_samples", "num_tokens", "layer_ids", "dtype")}))
@@ -86,24 +50,15 @@ def cmd_extract(args) -> int:
     return 0
 
 
-def prepare_settings(params: PipelineParams):
-    from eagle_states.prepare import PrepareSettings
-
-    p = params.prepare
-    return PrepareSettings(max_length=p.max_length, overlong=p.overlong, min_loss_tokens=p.min_loss_tokens,
-                           limit=p.limit, shuffle_seed=p.shuffle_seed, dedup=p.dedup, format=params.data.format)
-
-
 def cmd_prepare(args) -> int:
-    from eagle_states.prepare import prepare
+    from eagle_states.pipeline import ensure_inputs, prepare_step
 
     overrides = _overrides(args)
     overrides["prepare.out"] = args.out
     overrides["data.format"] = args.format
     params = load_params(args.params, overrides)
-    ensure_model(params)
-    report = prepare(ensure_data(params), Path(params.model.path), Path(params.prepare.out),
-                     prepare_settings(params), progress=not args.no_progress)
+    ensure_inputs(params)
+    report = prepare_step(params, progress=not args.no_progress)
     print(json.dumps({k: report[k] for k in ("format", "rows_read", "rows_written", "rows_skipped",
                                              "skipped_by_reason")}))
     return 0
@@ -142,6 +97,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # avoids a SQLite lock at server start
+    overrides = _overrides(args)
+    overrides["output.dir"] = args.out
+    params = load_params(args.params, overrides)
+    from flows.extract_hidden_states import extract_hidden_states
+
+    result = extract_hidden_states(params=params)
+    print(json.dumps({"dataset": result["dataset"], "samples": result["manifest"]["num_samples"],
+                      "tokens": result["manifest"]["num_tokens"], "layer_ids": result["manifest"]["layer_ids"],
+                      "cache_hits": result["cache_hits"], "computed": result["computed"],
+                      "valid": result["validation"]["valid"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -156,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
     p.set_defaults(func=cmd_make_demo_model)
+
+    p = sub.add_parser("run", help="the whole pipeline as a Prefect flow (ephemeral server unless one is set)")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--data")
+    p.add_argument("--model")
+    p.add_argument("--out", help="dataset directory (default: output.dir)")
+    p.add_argument("--layer-ids", help="comma-separated ids, or 'eagle3'")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("prepare", help="conversations -> token ids and assistant loss masks")
     p.add_argument("--params", default="params.yaml")

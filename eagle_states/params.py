@@ -62,6 +62,7 @@ class ValidateParams(_Section):
 
 class OutputParams(_Section):
     dir: str = "work/dataset"
+    prefect_results: str = Field("work/.prefect-results", description="where Prefect keeps shard results (small)")
 
 
 class PipelineParams(_Section):

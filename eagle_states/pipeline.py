@@ -1,0 +1,151 @@
+"""The pipeline's steps as plain functions of `PipelineParams`: what the Prefect tasks, the DVC stages and the CLI
+call. Nothing here imports Prefect."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle_states import contract
+from eagle_states.engine import CaptureEngine, EngineHolder
+from eagle_states.extract import Extraction, PlannedShard
+from eagle_states.params import PipelineParams
+from eagle_states.prepare import REPORT_FILE as PREPARE_REPORT
+from eagle_states.prepare import SAMPLES_FILE, PrepareSettings, prepare
+
+
+def ensure_inputs(params: PipelineParams) -> None:
+    """Build the built-in demo model and conversations where the parameters ask for them and they are missing."""
+    from eagle_states.demo_model import make_demo_model, write_demo_conversations
+
+    if not (Path(params.model.path) / "config.json").exists():
+        if not params.model.build_demo_if_missing:
+            raise FileNotFoundError(f"model directory {params.model.path} has no config.json")
+        make_demo_model(Path(params.model.path))
+    if not Path(params.data.path).exists():
+        if not params.data.build_demo_if_missing:
+            raise FileNotFoundError(f"data file {params.data.path} does not exist")
+        write_demo_conversations(Path(params.data.path))
+
+
+def prepare_settings(params: PipelineParams) -> PrepareSettings:
+    p = params.prepare
+    return PrepareSettings(max_length=p.max_length, overlong=p.overlong, min_loss_tokens=p.min_loss_tokens,
+                           limit=p.limit, shuffle_seed=p.shuffle_seed, dedup=p.dedup, format=params.data.format)
+
+
+def prepare_identity(params: PipelineParams) -> str:
+    """What decides the prepared output: the data bytes, the tokenizer and template, the settings, the code."""
+    model = contract.model_identity(Path(params.model.path))
+    code = contract.hash_files([Path(__file__).parent / "prepare.py"])
+    return contract.hash_json({"data": contract.sha256_file(Path(params.data.path)),
+                               "tokenizer": model["tokenizer_sha256"], "settings": prepare_settings(params).__dict__,
+                               "code": code})
+
+
+def prepared_intact(params: PipelineParams) -> dict | None:
+    """The prepare report if the prepared output on disk was made from these inputs, else None."""
+    out = Path(params.prepare.out)
+    report_path = out / PREPARE_REPORT
+    if not report_path.exists() or not (out / SAMPLES_FILE).exists():
+        return None
+    report = json.loads(report_path.read_text())
+    if report.get("identity") != prepare_identity(params):
+        return None
+    if report.get("samples_sha256") != contract.sha256_file(out / SAMPLES_FILE):
+        return None
+    return report
+
+
+def prepare_step(params: PipelineParams, progress: bool = True) -> dict:
+    """Prepare unless the prepared output already matches these inputs; returns the report."""
+    ensure_inputs(params)
+    existing = prepared_intact(params)
+    if existing is not None:
+        return existing
+    report = prepare(Path(params.data.path), Path(params.model.path), Path(params.prepare.out),
+                     prepare_settings(params), progress=progress)
+    report["identity"] = prepare_identity(params)
+    report["samples_sha256"] = contract.sha256_file(Path(params.prepare.out) / SAMPLES_FILE)
+    contract.atomic_write_json(Path(params.prepare.out) / PREPARE_REPORT, report)
+    return report
+
+
+def extraction_settings(params: PipelineParams):
+    from eagle_states.extract import ExtractionSettings
+
+    e = params.extract
+    return ExtractionSettings(
+        model=Path(params.model.path), layer_ids=e.layer_ids, dtype=e.dtype, shard_max_tokens=e.shard_max_tokens,
+        max_model_len=e.max_model_len, max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
+        gpu_memory_utilization=e.gpu_memory_utilization, tensor_parallel_size=e.tensor_parallel_size,
+        write_threads=e.write_threads)
+
+
+def open_extraction(params: PipelineParams) -> Extraction:
+    return Extraction(extraction_settings(params), Path(params.extract_input), Path(params.output.dir))
+
+
+def shard_cache_key(extraction: Extraction, shard: PlannedShard) -> str:
+    """What decides a shard's bytes: its samples' content, the model identity, layer ids, dtype and capture code
+    (all inside the extraction's config hash). No run id, no path."""
+    return contract.hash_json({"shard": shard.name, "content": shard.content_hash, "config": extraction.config_hash})
+
+
+@dataclass
+class ShardOutcome:
+    """What a shard task returns (and Prefect stores): small, paths and hashes only."""
+    shard: str
+    sha256: str
+    bytes: int
+    num_samples: int
+    num_tokens: int
+    computed: bool  # False when the shard was already on disk
+    seconds: float = 0.0
+
+
+def extract_shard(extraction: Extraction, engines: EngineHolder, shard_name: str) -> ShardOutcome:
+    """Make sure one shard is on disk; loads the model (through `engines`) only if the shard is missing."""
+    shard = next(s for s in extraction.shards if s.name == shard_name)
+    started = time.time()
+    receipt = extraction.receipt(shard)
+    computed = receipt is None
+    if computed:
+        extraction.begin()
+        for result in engines(extraction.engine_settings()).extract([extraction.job(shard)]):
+            receipt = extraction.record(shard, result)
+    return ShardOutcome(shard.name, receipt["sha256"], receipt["bytes"], len(receipt["samples"]),
+                        sum(s["num_tokens"] for s in receipt["samples"]), computed, time.time() - started)
+
+
+class RestartingEngines(EngineHolder):
+    """The engine holder a flow run owns: every shard and retry shares one engine; a dead one is restarted once."""
+
+    def __init__(self, factory=CaptureEngine, restarts: int = 1):
+        super().__init__(factory)
+        self.restarts_left = restarts
+
+    def restart_if_dead(self, error: BaseException) -> bool:
+        """True if the engine was dead and was dropped, so that the next attempt loads a fresh one."""
+        if self.engine is None or self.restarts_left <= 0 or not engine_is_dead(self.engine, error):
+            return False
+        self.restarts_left -= 1
+        try:
+            self.close()
+        except Exception:  # a dead engine may fail to shut down; it is dropped either way
+            self.engine = None
+        return True
+
+
+def engine_is_dead(engine: CaptureEngine, error: BaseException) -> bool:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if isinstance(error, EngineDeadError):
+        return True
+    try:
+        engine._rpc("eagle_poll", False)
+        return False
+    except Exception:
+        return True

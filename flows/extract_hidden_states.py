@@ -1,0 +1,91 @@
+"""The pipeline flow: prepare -> extract (one cached task per shard) -> validate -> publish."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from eagle_states.params import PipelineParams, load_params
+from eagle_states.run_report import render_markdown
+from tasks.extract import extract_shard_task, finalize_dataset_task
+from tasks.prepare import prepare_task
+from tasks.session import extraction_session
+from tasks.validate import validate_task
+
+
+@flow(name="extract-hidden-states", log_prints=True)
+def extract_hidden_states(params: PipelineParams | None = None, params_file: str = "params.yaml") -> dict:
+    """Extract EAGLE-3 training hidden states. Without `params`, reads `params_file`."""
+    params = params or load_params(params_file)
+    forward_library_logs()
+    stages: dict[str, float] = {}
+    with timed(stages, "prepare"):
+        prepare_task(params)
+    with timed(stages, "extract"), extraction_session(params) as session:
+        outcomes = run_shards(session)
+        manifest = finalize_dataset_task(session.key)
+        lengths = [len(s.input_ids) for s in session.extraction.samples]
+    with timed(stages, "validate"):
+        summary = validate_task(params)
+    report = render_markdown(dataset=params.output.dir, manifest=manifest, validation=summary, outcomes=outcomes,
+                             stage_seconds=stages, lengths=lengths)
+    create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
+    return {"dataset": params.output.dir, "manifest": manifest, "validation": summary,
+            "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes)}
+
+
+def run_shards(session) -> list:
+    """One task per shard, in order; a shard whose output is missing or altered refreshes its cache entry."""
+    from tqdm import tqdm
+
+    storage = results_storage(session.results_dir)
+    names = session.shard_names
+    progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
+    outcomes = []
+    for name in tqdm(names, desc="extract", unit="shard"):
+        task = extract_shard_task.with_options(refresh_cache=not session.intact(name), result_storage=storage)
+        state = task(session.key, name, session.cache_key(name), return_state=True)
+        outcome = state.result()
+        # a cache hit returns the stored outcome of the run that computed it
+        outcomes.append(replace(outcome, computed=False, seconds=0.0) if state.name == "Cached" else outcome)
+        update_progress_artifact(progress, 100.0 * len(outcomes) / len(names))
+    computed = sum(o.computed for o in outcomes)
+    get_run_logger().info("%d shards: %d cache hits, %d computed", len(names), len(names) - computed, computed)
+    return outcomes
+
+
+def results_storage(directory: str) -> str:
+    """A saved local-file-system block for the workspace's results directory (Prefect stores only references)."""
+    import hashlib
+
+    from prefect.filesystems import LocalFileSystem
+
+    path = str(Path(directory).resolve())
+    name = f"eagle-states-results-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+    LocalFileSystem(basepath=path).save(name, overwrite=True)
+    return f"local-file-system/{name}"
+
+
+@contextmanager
+def timed(stages: dict, name: str):
+    started = time.time()
+    try:
+        yield
+    finally:
+        stages[name] = time.time() - started
+
+
+def forward_library_logs() -> None:
+    """vLLM's and this project's logs into the flow-run logs (vLLM runs in this process)."""
+    from prefect.logging.handlers import APILogHandler
+
+    for name in ("vllm", "eagle_states"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+            logger.addHandler(APILogHandler())

@@ -1,0 +1,30 @@
+"""Shard extraction task: cached by what decides the shard's bytes, retried without reloading the model."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from eagle_states.pipeline import ShardOutcome, extract_shard
+from tasks.retry import transient_only
+from tasks.session import get_session
+
+
+def _cache_key(context, parameters) -> str:
+    return parameters["shard_key"]  # content + model + layers + dtype + capture code; see shard_cache_key
+
+
+@task(name="extract-shard", cache_key_fn=_cache_key, persist_result=True, retries=2, retry_delay_seconds=[2, 10],
+      retry_condition_fn=transient_only, task_run_name="extract-{shard_name}")
+def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> ShardOutcome:
+    session = get_session(session_key)
+    try:
+        return extract_shard(session.extraction, session.engines, shard_name)
+    except Exception as exc:
+        session.engines.restart_if_dead(exc)  # a dead engine is replaced before the retry
+        raise
+
+
+@task(name="finalize-dataset", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
+def finalize_dataset_task(session_key: str) -> dict:
+    manifest = get_session(session_key).extraction.finalize()
+    return {k: manifest[k] for k in ("num_samples", "num_tokens", "num_loss_tokens", "layer_ids", "dtype")}

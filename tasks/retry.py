@@ -1,0 +1,12 @@
+"""Which failures are worth a retry: I/O and engine trouble are; bad input and invalid data are not."""
+
+from eagle_states.extract import InputError
+from eagle_states.validate import ValidationFailed
+from eagle_states.vllm_capture import UnsupportedModelError
+
+DETERMINISTIC = (ValidationFailed, InputError, UnsupportedModelError, FileNotFoundError, KeyError)
+
+
+def transient_only(task, task_run, state) -> bool:
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, DETERMINISTIC)
