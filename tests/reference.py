@@ -16,7 +16,7 @@ def hf_states(model, input_ids: list[int], layer_ids: list[int]) -> list[torch.T
     captured = {}
     handle = model.model.norm.register_forward_pre_hook(lambda m, args: captured.__setitem__("pre_norm", args[0]))
     try:
-        out = model(torch.tensor([input_ids]), output_hidden_states=True)
+        out = model(torch.tensor([input_ids], device=model.device), output_hidden_states=True)
     finally:
         handle.remove()
     n = model.config.num_hidden_layers

@@ -1,0 +1,44 @@
+"""Correctness on a GPU (run on the device before its benchmark): the demo model's bf16 states from the CUDA
+build of vLLM against Hugging Face on the same GPU, with chunked prefill and 16 requests in flight.
+
+    python3 bench/gpu_check.py WORKDIR
+Prints one line per layer and exits 1 if any sample is off by more than twice HF's own bf16 error.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from conftest import random_prompts, write_prompt_jsonl  # noqa: E402
+from reference import hf_states, load_hf, rel_error  # noqa: E402
+
+from eagle_states import contract  # noqa: E402
+from eagle_states.demo_model import make_demo_model  # noqa: E402
+from eagle_states.extract import ExtractionSettings, run_extraction  # noqa: E402
+
+if __name__ == "__main__":
+    work = Path(sys.argv[1])
+    model = make_demo_model(work / "demo-model")
+    prompts = random_prompts([1, 2, 5, 17, 63, 64, 65, 130, 200, 257, 40, 40, 9, 100, 33, 3, 700, 1500], 500, seed=1)
+    source = write_prompt_jsonl(work / "prompts.jsonl", prompts)
+    layers = [0, 2, 4, 5, 8]
+    settings = ExtractionSettings(model=model, layer_ids=layers, dtype="bfloat16", shard_max_tokens=1000,
+                                  max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=16,
+                                  gpu_memory_utilization=0.3)
+    run_extraction(settings, source, work / "dataset", progress=False)
+    exact = load_hf(model, torch.float32).cuda()
+    own = load_hf(model, torch.bfloat16).cuda()
+    worst_ratio, failures = 0.0, 0
+    for sample, prompt in zip(contract.Dataset(work / "dataset"), prompts):
+        assert sample.input_ids.tolist() == prompt and len(sample.hidden_states) == len(layers)
+        ref = [t.cpu() for t in hf_states(exact, prompt, layers)]
+        ref_bf16 = [t.cpu() for t in hf_states(own, prompt, layers)]
+        for j, k in enumerate(layers[1:], start=1):
+            ours, theirs = rel_error(sample.hidden_states[j], ref[j]), rel_error(ref_bf16[j], ref[j])
+            if len(prompt) >= 16:
+                worst_ratio = max(worst_ratio, ours / max(theirs, 1e-6))
+                failures += ours > 2 * theirs + 1e-3
+    print(f"GPU CHECK: {len(prompts)} samples, worst (ours / HF bf16 error) = {worst_ratio:.2f}, failures {failures}")
+    sys.exit(1 if failures else 0)

@@ -1,0 +1,5 @@
+import sys
+
+from eagle_states.cli import main
+
+sys.exit(main())
