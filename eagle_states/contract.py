@@ -162,18 +162,48 @@ def sha256_file(path: Path, block: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32",
+              torch.int64: "I64", torch.uint8: "U8"}
+
+
 def write_shard_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """Serialize a shard, hash the exact bytes, write atomically. Returns (sha256, size in bytes).
-
-    No metadata that varies between runs goes into the file, so the same samples give the same bytes.
+    """Write a shard in the safetensors format, streaming each tensor's bytes straight from memory while hashing
+    them (no serialized copy of the shard, and the GIL is released during hashing and writing, so a writer
+    thread does not slow the thread that launches the model's kernels). Atomic: temp file, fsync, rename.
+    Keys are written in sorted order with one metadata entry, so the same samples give the same bytes.
+    Returns (sha256, size in bytes).
     """
-    from safetensors.torch import save
-
-    # One metadata key only: safetensors writes metadata in hash-map order, so two keys make the bytes vary.
-    data = save(tensors, metadata={"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"})
-    digest = hashlib.sha256(data).hexdigest()
-    atomic_write_bytes(path, data)
-    return digest, len(data)
+    names = sorted(tensors)
+    header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
+    for name in names:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
+    digest = hashlib.sha256()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
+                digest.update(chunk)
+                f.write(chunk)
+            for name in names:
+                data = memoryview(tensors[name].contiguous().view(torch.uint8).numpy()).cast("B")
+                digest.update(data)
+                while data:
+                    written = f.write(data)
+                    data = data[written:]
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 
 def hash_json(obj) -> str:

@@ -78,6 +78,8 @@ def _argument_getter(layer: torch.nn.Module, name: str):
 class _Capture:
     """Per-worker capture state: hooks, step hand-off, sample assembly and shard writing."""
 
+    PINNED_BUFFERS = 4  # steps in flight between the GPU and the assembler (CUDA only)
+
     def __init__(self, worker, layer_ids: list[int], writer: bool, rank: int, world_size: int, write_threads: int):
         runner = worker.model_runner
         self.runner = runner
@@ -95,6 +97,8 @@ class _Capture:
         self.is_cuda = torch.device(runner.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
         self.steps: queue.Queue = queue.Queue(maxsize=8)
+        self.pinned_free: queue.Queue = queue.Queue()
+        self.pinned_allocated = 0
         self.partial: dict[str, dict] = {}  # sample id -> chunks being assembled
         self.complete: dict[str, dict] = {}  # sample id -> finished sample (tensors on the writer rank)
         self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "padding_rows": 0}
@@ -178,20 +182,37 @@ class _Capture:
             stacked = torch.stack([s[:num_rows] for s in states]) if self.is_cuda else None
             tensors += [stacked] if self.is_cuda else [s[:num_rows] for s in states]
         self.slots.clear()
-        event = None
+        event = pinned = None
         if self.is_cuda:
             current = torch.cuda.current_stream()
             self.copy_stream.wait_stream(current)
             with torch.cuda.stream(self.copy_stream):
                 host = []
                 for t in tensors:
-                    t.record_stream(self.copy_stream)
-                    host.append(t.to("cpu", non_blocking=True))  # pinned destination, asynchronous
+                    t.record_stream(self.copy_stream)  # keep the allocator from reusing it before the copy ends
+                    if t.dim() == 3:  # the states: into a reused pinned buffer, asynchronously
+                        pinned = self._take_pinned(t)
+                        host.append(pinned[: t.numel()].view(t.shape).copy_(t, non_blocking=True))
+                    else:
+                        host.append(t.to("cpu", non_blocking=True))
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
             tensors = host
         self.stats["steps"] += 1
-        self.steps.put((event, requests, tensors))
+        self.steps.put((event, requests, tensors, pinned))
+
+    def _take_pinned(self, like: torch.Tensor) -> torch.Tensor:
+        """A pinned host buffer from a small pool (allocating pinned memory per step is slow); waits for the
+        assembler to return one when all are in use, which bounds the host memory held by steps."""
+        try:
+            return self.pinned_free.get_nowait()
+        except queue.Empty:
+            pass
+        if self.pinned_allocated < self.PINNED_BUFFERS:
+            self.pinned_allocated += 1
+            capacity = max(like.numel(), len(self.layer_ids) * like.shape[-1] * self.runner.max_num_tokens)
+            return torch.empty(capacity, dtype=like.dtype, pin_memory=True)
+        return self.pinned_free.get()
 
     # -- assembly (off the forward path) ------------------------------------------------------------------------
     def _assemble_loop(self):
@@ -205,9 +226,11 @@ class _Capture:
             except BaseException as exc:  # reported to the driver on its next call
                 self.failure = exc
             finally:
+                if item is not None and item[3] is not None:
+                    self.pinned_free.put(item[3])  # its rows were copied out (or the step is abandoned)
                 self.steps.task_done()
 
-    def _assemble(self, event, requests, tensors):
+    def _assemble(self, event, requests, tensors, pinned):
         if event is not None:
             event.synchronize()
         positions, input_ids = tensors[0].tolist(), tensors[1]
