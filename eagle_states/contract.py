@@ -166,19 +166,21 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int64: "I64", torch.uint8: "U8"}
 
 
-def write_shard_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[str, int]:
     """Write a shard in the safetensors format, streaming each tensor's bytes straight from memory while hashing
-    them (no serialized copy of the shard, and the GIL is released during hashing and writing, so a writer
+    them. A value may be a list of pieces, stored as their concatenation along dim 0 (never materialized) (no serialized copy of the shard, and the GIL is released during hashing and writing, so a writer
     thread does not slow the thread that launches the model's kernels). Atomic: temp file, fsync, rename.
     Keys are written in sorted order with one metadata entry, so the same samples give the same bytes.
     Returns (sha256, size in bytes).
     """
     names = sorted(tensors)
     header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
+    pieces = {name: t if isinstance(t, list) else [t] for name, t in tensors.items()}
     for name in names:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        first = pieces[name][0]
+        shape = [sum(p.shape[0] for p in pieces[name]), *first.shape[1:]] if first.dim() else []
+        size = sum(p.numel() for p in pieces[name]) * first.element_size()
+        header[name] = {"dtype": _ST_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
@@ -192,11 +194,12 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str,
                 digest.update(chunk)
                 f.write(chunk)
             for name in names:
-                data = memoryview(tensors[name].contiguous().view(torch.uint8).numpy()).cast("B")
-                digest.update(data)
-                while data:
-                    written = f.write(data)
-                    data = data[written:]
+                for piece in pieces[name]:
+                    data = memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B")
+                    digest.update(data)
+                    while data:
+                        written = f.write(data)
+                        data = data[written:]
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from eagle_states.vllm_capture import SAMPLE_ID_KEY, CaptureError, check_replies
+from eagle_states.vllm_capture import SAMPLE_ID_KEY, CaptureError, check_poll_agreement, check_replies
 
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "eagle_states.vllm_capture.CaptureWorkerExtension"
@@ -97,10 +97,17 @@ class CaptureEngine:
         self.num_layers, self.hidden_size = setup["num_layers"], setup["hidden_size"]
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self._request_counter = 0
-        self._queued: dict[str, tuple[ShardJob, dict[str, int]]] = {}  # shard path -> job, awaiting its file
+        self._queued: dict[str, ShardJob] = {}  # shard path -> job whose file is being written
+        self._reports: dict[str, dict[int, dict]] = {}  # shard path -> rank -> that rank's report
 
     def _rpc(self, method: str, *args):
+        """Call every worker; returns the writer rank's payload once the replies' structure is checked."""
         return check_replies(self.llm.collective_rpc(method, args=args), method, self.world_size)
+
+    def _rpc_all(self, method: str, *args) -> list[dict]:
+        replies = self.llm.collective_rpc(method, args=args)
+        check_replies(replies, method, self.world_size)
+        return replies
 
     def _sampling_params(self, sample_id: str):
         from vllm import SamplingParams
@@ -147,23 +154,33 @@ class CaptureEngine:
             raise
 
     def _queue_write(self, job: ShardJob):
-        ids = [s.sample_id for s in job.samples]
-        payload = self._rpc("eagle_write_shard", str(job.path), ids, [s.loss_mask for s in job.samples])
-        for sample in job.samples:
-            seen = payload["samples"].get(sample.sample_id)
-            expected = [len(sample.input_ids), ids_crc(sample.input_ids)]
-            if seen != expected:
-                raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
-                                   f"(tokens, ids crc) = {seen}, the prompt is {expected}")
-        self._queued[str(job.path)] = (job, {s.sample_id: len(s.input_ids) for s in job.samples})
+        self._rpc("eagle_write_shard", str(job.path), [s.sample_id for s in job.samples],
+                  [s.loss_mask for s in job.samples])
+        self._queued[str(job.path)] = job
+        self._reports[str(job.path)] = {}
 
     def _collect(self, wait: bool) -> Iterator[ShardResult]:
+        """Shards every rank has reported (the writer with the file's hash), checked against the prompts."""
         if not self._queued:
             return
-        payload = self._rpc("eagle_poll", wait)
-        for path, (sha, size) in payload["written"].items():
-            job, tokens = self._queued.pop(path)
-            yield ShardResult(job.name, sha, size, tokens)
+        for reply in self._rpc_all("eagle_poll", wait):
+            for path, report in reply["payload"]["shards"].items():
+                self._reports[path][reply["rank"]] = report
+        for path in list(self._queued):
+            if len(self._reports[path]) < self.world_size:
+                if wait:
+                    raise CaptureError(f"shard {path}: ranks {sorted(self._reports[path])} reported after waiting")
+                continue
+            report = check_poll_agreement(self._reports.pop(path), self.world_size, path)
+            job = self._queued.pop(path)
+            for sample in job.samples:
+                seen, expected = report["samples"].get(sample.sample_id), [len(sample.input_ids),
+                                                                           ids_crc(sample.input_ids)]
+                if seen != expected:
+                    raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
+                                       f"(tokens, ids crc) = {seen}, the prompt is {expected}")
+            yield ShardResult(job.name, report["sha256"], report["bytes"],
+                              {s.sample_id: len(s.input_ids) for s in job.samples})
 
     def reset(self, request_ids: list[str] = ()):
         """After a failure: abort our requests and drop half-captured samples, keeping the model loaded."""
@@ -173,7 +190,7 @@ class CaptureEngine:
             while self.llm.llm_engine.has_unfinished_requests():
                 self.llm.llm_engine.step()
             self._rpc("eagle_discard")
-            self._queued = {}
+            self._queued, self._reports = {}, {}
         except Exception:  # a dead engine cannot be reset; the caller restarts it
             log.exception("could not reset the capture engine")
 

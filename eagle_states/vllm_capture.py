@@ -25,7 +25,7 @@ import inspect
 import queue
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -75,10 +75,25 @@ def _argument_getter(layer: torch.nn.Module, name: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-class _Capture:
-    """Per-worker capture state: hooks, step hand-off, sample assembly and shard writing."""
+class _PinnedBlock:
+    """A pinned host buffer holding one step's states; back in the pool once every sample using it is written."""
 
-    PINNED_BUFFERS = 4  # steps in flight between the GPU and the assembler (CUDA only)
+    __slots__ = ("buffer", "refs")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.refs = buffer, 0
+
+
+class _Capture:
+    """Per-worker capture state: hooks, step hand-off, sample assembly and shard writing.
+
+    The forward thread only launches the hooks' additions and one asynchronous device-to-host copy per step.
+    The assembler thread maps rows to samples (views, no copies) and, at a shard marker, hands finished samples
+    to the writer pool, which streams them from host memory to disk. Host memory is bounded by the pinned pool
+    (CUDA) and by the number of shards being written (`write_threads + 1`).
+    """
+
+    PINNED_BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight (CUDA); at least 4 steps
 
     def __init__(self, worker, layer_ids: list[int], writer: bool, rank: int, world_size: int, write_threads: int):
         runner = worker.model_runner
@@ -96,16 +111,17 @@ class _Capture:
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
-        self.steps: queue.Queue = queue.Queue(maxsize=8)
+        self.work: queue.Queue = queue.Queue()  # steps and shard markers, in order, for the assembler
         self.pinned_free: queue.Queue = queue.Queue()
         self.pinned_allocated = 0
+        self.lock = threading.Lock()
         self.partial: dict[str, dict] = {}  # sample id -> chunks being assembled
-        self.complete: dict[str, dict] = {}  # sample id -> finished sample (tensors on the writer rank)
-        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "padding_rows": 0}
+        self.complete: dict[str, dict] = {}  # sample id -> finished sample, waiting for its shard marker
+        self.finished: dict[str, dict] = {}  # shard path -> {"samples": summary, "future": write or None}
+        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0}
         self.failure: BaseException | None = None
-        self.writes: list[tuple[str, Future]] = []
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
-        self.write_slots = threading.BoundedSemaphore(write_threads + 1)  # bounds host memory held by shards
+        self.write_slots = threading.BoundedSemaphore(write_threads + 1)
         self.handles = []
         self._hook(layers)
         self._wrap_forward()
@@ -148,7 +164,6 @@ class _Capture:
             self._hand_off(requests, kwargs.get("positions"), kwargs.get("input_ids"))
             return output
         runner._model_forward = model_forward
-        self._original_forward = original
 
     def _step_requests(self) -> list[tuple[str, int, int, int]]:
         """(sample id, first row, end row, prompt length) for the captured requests of this step."""
@@ -170,72 +185,78 @@ class _Capture:
             raise CaptureError("the capture worker needs 1-D positions and token ids (no M-RoPE, no prompt embeds)")
         num_rows = max(end for _, _, end, _ in requests)
         # positions and token ids live in persistent buffers that the next step overwrites: copy them now
-        tensors = [positions[:num_rows].clone(), input_ids[:num_rows].clone()]
+        positions, input_ids = positions[:num_rows].clone(), input_ids[:num_rows].clone()
+        states = None
         if self.writer:
             missing = [k for k in self.layer_ids if k not in self.slots]
             if missing:
                 raise CaptureError(f"layers {missing} were not reached in this forward pass")
-            states = [self.slots[k] for k in self.layer_ids]
+            states = [self.slots[k][:num_rows] for k in self.layer_ids]
             if any(s.shape[0] < num_rows for s in states):
                 raise CaptureError(f"captured {[tuple(s.shape) for s in states]} for {num_rows} rows "
                                    "(sequence-parallel layers are not supported)")
-            stacked = torch.stack([s[:num_rows] for s in states]) if self.is_cuda else None
-            tensors += [stacked] if self.is_cuda else [s[:num_rows] for s in states]
         self.slots.clear()
-        event = pinned = None
+        event = block = None
         if self.is_cuda:
-            current = torch.cuda.current_stream()
-            self.copy_stream.wait_stream(current)
+            stacked = torch.stack(states) if states else None  # one copy to the host instead of L
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.copy_stream):
-                host = []
-                for t in tensors:
-                    t.record_stream(self.copy_stream)  # keep the allocator from reusing it before the copy ends
-                    if t.dim() == 3:  # the states: into a reused pinned buffer, asynchronously
-                        pinned = self._take_pinned(t)
-                        host.append(pinned[: t.numel()].view(t.shape).copy_(t, non_blocking=True))
-                    else:
-                        host.append(t.to("cpu", non_blocking=True))
+                for t in (positions, input_ids, stacked):
+                    if t is not None:
+                        t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
+                positions, input_ids = positions.to("cpu", non_blocking=True), input_ids.to("cpu", non_blocking=True)
+                if stacked is not None:
+                    block = self._take_pinned(stacked)
+                    host = block.buffer[: stacked.numel()].view(stacked.shape).copy_(stacked, non_blocking=True)
+                    states = list(host.unbind(0))
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
-            tensors = host
         self.stats["steps"] += 1
-        self.steps.put((event, requests, tensors, pinned))
+        self.work.put(("step", event, requests, positions, input_ids, states, block))
 
-    def _take_pinned(self, like: torch.Tensor) -> torch.Tensor:
-        """A pinned host buffer from a small pool (allocating pinned memory per step is slow); waits for the
-        assembler to return one when all are in use, which bounds the host memory held by steps."""
+    def _take_pinned(self, like: torch.Tensor) -> _PinnedBlock:
+        """A pinned block from the pool (pinning memory per step is slow); when all are in use, waits for the
+        writer to release one, which is the back-pressure that bounds host memory."""
         try:
-            return self.pinned_free.get_nowait()
+            block = self.pinned_free.get_nowait()
         except queue.Empty:
-            pass
-        if self.pinned_allocated < self.PINNED_BUFFERS:
-            self.pinned_allocated += 1
-            capacity = max(like.numel(), len(self.layer_ids) * like.shape[-1] * self.runner.max_num_tokens)
-            return torch.empty(capacity, dtype=like.dtype, pin_memory=True)
-        return self.pinned_free.get()
+            capacity = like[0].numel() * len(self.layer_ids) * self.runner.max_num_tokens // like.shape[1]
+            limit = max(4, self.PINNED_BUDGET_BYTES // (capacity * like.element_size()))
+            if self.pinned_allocated < limit:
+                self.pinned_allocated += 1
+                block = _PinnedBlock(torch.empty(max(capacity, like.numel()), dtype=like.dtype, pin_memory=True))
+            else:
+                block = self.pinned_free.get()
+        block.refs = 1  # the step's own reference, dropped when the assembler is done with it
+        return block
+
+    def _release(self, blocks):
+        with self.lock:
+            for block in blocks:
+                block.refs -= 1
+                if block.refs == 0:
+                    self.pinned_free.put(block)
 
     # -- assembly (off the forward path) ------------------------------------------------------------------------
     def _assemble_loop(self):
         while True:
-            item = self.steps.get()
+            item = self.work.get()
             try:
                 if item is None:
                     return
                 if self.failure is None:
-                    self._assemble(*item)
+                    (self._assemble if item[0] == "step" else self._finish_shard)(*item[1:])
             except BaseException as exc:  # reported to the driver on its next call
                 self.failure = exc
             finally:
-                if item is not None and item[3] is not None:
-                    self.pinned_free.put(item[3])  # its rows were copied out (or the step is abandoned)
-                self.steps.task_done()
+                if item is not None and item[0] == "step" and item[-1] is not None:
+                    self._release([item[-1]])
+                self.work.task_done()
 
-    def _assemble(self, event, requests, tensors, pinned):
+    def _assemble(self, event, requests, positions, input_ids, states, block):
         if event is not None:
             event.synchronize()
-        positions, input_ids = tensors[0].tolist(), tensors[1]
-        if self.writer:
-            states = tensors[2] if self.is_cuda else torch.stack(tensors[2:])  # [L, rows, H]
+        positions = positions.tolist()
         for sample_id, start, end, prompt_len in requests:
             first = positions[start]
             if first >= prompt_len:  # decode rows: never stored
@@ -248,80 +269,103 @@ class _Capture:
                 if first != 0:
                     raise CaptureError(f"sample {sample_id}: first rows start at position {first}, not 0 "
                                        "(prefix caching skipped cached rows? it must be off)")
-                sample = self.partial[sample_id] = {"next": 0, "len": prompt_len, "ids": [], "states": []}
+                sample = self.partial[sample_id] = {"next": 0, "ids": [], "chunks": [], "blocks": []}
             elif first != sample["next"]:
                 raise CaptureError(f"sample {sample_id}: rows resume at position {first}, expected {sample['next']}")
             keep = min(end, start + prompt_len - first)  # decode rows are never stored
             self.stats["decode_rows_dropped"] += end - keep
-            if keep > start:
-                if positions[keep - 1] - first != keep - 1 - start:
-                    raise CaptureError(f"sample {sample_id}: positions of a chunk are not contiguous")
-                sample["ids"].append(input_ids[start:keep].clone())
-                if self.writer:
-                    sample["states"].append(states[:, start:keep].clone())
-                sample["next"] += keep - start
-                self.stats["rows"] += keep - start
+            if positions[keep - 1] - first != keep - 1 - start:
+                raise CaptureError(f"sample {sample_id}: positions of a chunk are not contiguous")
+            sample["ids"].append(input_ids[start:keep].clone())
+            if states is not None:
+                sample["chunks"].append([s[start:keep] for s in states])  # views: no copy
+                if block is not None:
+                    with self.lock:
+                        block.refs += 1
+                    sample["blocks"].append(block)
+            sample["next"] += keep - start
+            self.stats["rows"] += keep - start
             if sample["next"] == prompt_len:
                 del self.partial[sample_id]
-                ids = torch.cat(sample["ids"])
-                done = {"input_ids": ids, "num_tokens": prompt_len, "ids_crc": zlib.crc32(ids.numpy().tobytes())}
-                if self.writer:
-                    stacked = torch.cat(sample["states"], dim=1) if len(sample["states"]) > 1 else sample["states"][0]
-                    done["states"] = [stacked[j] for j in range(stacked.shape[0])]
-                self.complete[sample_id] = done
+                sample["ids"] = torch.cat(sample["ids"])
+                sample["crc"] = zlib.crc32(sample["ids"].numpy().tobytes())
+                self.complete[sample_id] = sample
 
-    def _drain(self):
-        self.steps.join()
-        if self.failure is not None:
-            failure, self.failure = self.failure, None
-            raise CaptureError(f"capture failed on rank {self.rank}: {failure}") from failure
-
-    # -- shard writing -------------------------------------------------------------------------------------------
-    def write_shard(self, path: str, sample_ids: list[str], loss_masks: list[list[int]]) -> dict:
-        self._drain()
+    def _finish_shard(self, path: str, sample_ids: list[str], loss_masks: list[list[int]]):
         missing = [s for s in sample_ids if s not in self.complete]
         if missing:
             raise CaptureError(f"shard {Path(path).name}: {len(missing)} samples were not captured completely "
                                f"(first: {missing[:3]}; partial: {sorted(self.partial)[:3]})")
         samples = [(sid, self.complete.pop(sid), mask) for sid, mask in zip(sample_ids, loss_masks)]
-        for sid, done, mask in samples:
-            if len(mask) != done["num_tokens"]:
-                raise CaptureError(f"sample {sid}: loss mask of {len(mask)} for {done['num_tokens']} tokens")
-        summary = {sid: [done["num_tokens"], done["ids_crc"]] for sid, done, _ in samples}
+        summary = {sid: [len(sample["ids"]), sample["crc"]] for sid, sample, _ in samples}
+        future = None
         if self.writer:
-            self.write_slots.acquire()  # back-pressure: at most write_threads + 1 shards in host memory
+            for sid, sample, mask in samples:
+                if len(mask) != len(sample["ids"]):
+                    raise CaptureError(f"sample {sid}: loss mask of {len(mask)} for {len(sample['ids'])} tokens")
+            self.write_slots.acquire()  # at most write_threads + 1 shards held for writing
+            future = self.pool.submit(self._write, path, samples)
+        self.finished[path] = {"samples": summary, "future": future}
 
-            def write():
-                try:
-                    tensors = {}
-                    for sid, done, mask in samples:
-                        tensors.update(contract.sample_tensors(sid, done["input_ids"], torch.tensor(mask),
-                                                               done["states"]))
-                    return contract.write_shard_file(Path(path), tensors)
-                finally:
-                    self.write_slots.release()
-            self.writes.append((path, self.pool.submit(write)))
-        return {"shard": path, "samples": summary}
+    def _write(self, path: str, samples) -> tuple[str, int]:
+        try:
+            tensors = {}
+            for sid, sample, mask in samples:
+                tensors[contract.key_input_ids(sid)] = sample["ids"].to(torch.int32)
+                tensors[contract.key_loss_mask(sid)] = torch.tensor(mask, dtype=torch.uint8)
+                for j in range(len(self.layer_ids)):
+                    tensors[contract.key_hidden_state(sid, j)] = [chunk[j] for chunk in sample["chunks"]]
+            return contract.write_shard_file(Path(path), tensors)
+        finally:
+            for _, sample, _ in samples:
+                sample["chunks"] = None
+                self._release(sample["blocks"])
+            self.write_slots.release()
+
+    # -- driver calls ----------------------------------------------------------------------------------------------
+    def _raise_failure(self):
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise CaptureError(f"capture failed on rank {self.rank}: {failure}") from failure
+
+    def write_shard(self, path: str, sample_ids: list[str], loss_masks: list[list[int]]) -> dict:
+        """Queue a shard marker behind the steps already captured; returns at once."""
+        self._raise_failure()
+        self.work.put(("shard", path, sample_ids, loss_masks))
+        return {"queued": path}
 
     def poll(self, wait: bool) -> dict:
-        """Shards whose files are on disk: {path: [sha256, bytes]}. `wait` blocks until every queued shard is."""
-        done, pending = {}, []
-        for path, future in self.writes:
-            if wait or future.done():
+        """Shards that are done: {path: {"samples": {id: [tokens, ids crc]}, "sha256", "bytes"}} (the hash and
+        size from the writer rank only). `wait` blocks until every queued shard is done."""
+        if wait:
+            self.work.join()
+        self._raise_failure()
+        done = {}
+        for path, entry in list(self.finished.items()):
+            future = entry["future"]
+            if future is None:
+                done[path] = {"samples": entry["samples"]}
+            elif wait or future.done():
                 sha, size = future.result()  # raises the writer's error
-                done[path] = [sha, size]
+                done[path] = {"samples": entry["samples"], "sha256": sha, "bytes": size}
             else:
-                pending.append((path, future))
-        self.writes = pending
-        return {"written": done, "pending": [p for p, _ in pending], "stats": dict(self.stats)}
+                continue
+            del self.finished[path]
+        return {"shards": done, "stats": dict(self.stats)}
 
     def discard(self) -> dict:
         """Forget partial and unclaimed samples (after a failed shard) so that a retry starts clean."""
-        self.steps.join()
+        self.work.join()
         self.failure = None
         dropped = sorted(self.partial) + sorted(self.complete)
+        for sample in list(self.partial.values()) + list(self.complete.values()):
+            self._release(sample["blocks"])
         self.partial.clear()
         self.complete.clear()
+        for entry in self.finished.values():
+            if entry["future"] is not None:
+                entry["future"].exception()  # let queued writes end before their shards are forgotten
+        self.finished.clear()
         return {"discarded": dropped}
 
 
@@ -388,9 +432,20 @@ def check_replies(replies, method: str, world_size: int) -> dict:
     if len(writers) != 1:
         raise CaptureError(f"{method}: {len(writers)} ranks claim to write, expected exactly one")
     payload = writers[0]["payload"]
-    if method == "eagle_write_shard":
-        for reply in replies:
-            if reply["payload"]["samples"] != payload["samples"]:
-                raise CaptureError(f"{method}: rank {reply['rank']} captured different samples or lengths than "
-                                   f"the writer rank {writers[0]['rank']}")
     return payload
+
+
+def check_poll_agreement(reports: dict[int, dict], world_size: int, shard: str) -> dict:
+    """Every rank must report the same samples (token counts and id checksums) for a shard; returns the writer's
+    report of it. `reports` maps rank -> that rank's report of the shard."""
+    if sorted(reports) != list(range(world_size)):
+        raise CaptureError(f"shard {shard}: reports from ranks {sorted(reports)}, expected 0..{world_size - 1}")
+    writer = [r for r, rep in reports.items() if "sha256" in rep]
+    if len(writer) != 1:
+        raise CaptureError(f"shard {shard}: {len(writer)} ranks report a written file, expected exactly one")
+    expected = reports[writer[0]]["samples"]
+    for rank, report in reports.items():
+        if report["samples"] != expected:
+            raise CaptureError(f"shard {shard}: rank {rank} captured different samples or lengths than the "
+                               f"writer rank {writer[0]}")
+    return reports[writer[0]]

@@ -101,7 +101,7 @@ def test_warmup_and_decode_rows_are_never_stored(tmp_path, llama_model, engines,
                         use_tqdm=False)
     path = tmp_path / "decode.safetensors"
     engine._rpc("eagle_write_shard", str(path), ["decoding"], [[1] * 70])
-    engine._rpc("eagle_poll", True)
+    assert engine._rpc("eagle_poll", True)["shards"][str(path)]["samples"]["decoding"][0] == 70
     from safetensors.torch import load_file
 
     tensors = load_file(path)
