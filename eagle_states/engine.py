@@ -78,7 +78,7 @@ class CaptureEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        type(self).instances_created += 1
+        CaptureEngine.instances_created += 1  # on the base class, so subclasses count too
         self.settings = settings
         engine_args = dict(settings.extra_engine_args)
         if current_platform.is_cpu():

@@ -1,0 +1,111 @@
+"""The Prefect flow on a local test server: shard tasks cached by content, one engine per run, retries that keep
+the model loaded, validation failures never retried."""
+
+import json
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+import tasks.session
+from eagle_states import contract
+from eagle_states.engine import CaptureEngine
+from eagle_states.params import PipelineParams
+from eagle_states.validate import ValidationFailed
+from flows.extract_hidden_states import extract_hidden_states
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def pipeline_params(tmp_path, llama_model, **validate) -> PipelineParams:
+    return PipelineParams.model_validate({
+        "model": {"path": str(llama_model), "build_demo_if_missing": False},
+        "data": {"path": str(tmp_path / "conversations.jsonl")},
+        "prepare": {"out": str(tmp_path / "prepared"), "limit": 20},
+        "extract": {"shard_max_tokens": 1500, "max_model_len": 2048, "max_num_batched_tokens": 512,
+                    "gpu_memory_utilization": 0.1, "dtype": "float32"},
+        "validate": validate or {"min_loss_tokens": 1},
+        "output": {"dir": str(tmp_path / "dataset"), "prefect_results": str(tmp_path / "results")}})
+
+
+class FailsOnceOnThirdShard(CaptureEngine):
+    """The real engine, with one injected transient failure on shard-00002."""
+    failures = 0
+
+    def extract(self, jobs, **kwargs):
+        if jobs[0].name == "shard-00002" and FailsOnceOnThirdShard.failures == 0:
+            FailsOnceOnThirdShard.failures += 1
+            raise ConnectionError("injected: lost the engine for a moment")
+        yield from super().extract(jobs, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, llama_model):
+    tmp = tmp_path_factory.mktemp("flow")
+    params = pipeline_params(tmp, llama_model)
+    tasks.session.ENGINE_FACTORY = FailsOnceOnThirdShard
+    before = CaptureEngine.instances_created
+    try:
+        result = extract_hidden_states(params=params)
+    finally:
+        tasks.session.ENGINE_FACTORY = CaptureEngine
+    return tmp, params, result, CaptureEngine.instances_created - before
+
+
+def test_third_of_five_shards_fails_once_and_the_engine_is_created_once(first_run):
+    tmp, params, result, engines_created = first_run
+    manifest = contract.read_manifest(tmp / "dataset")
+    assert len(manifest["shards"]) == 5
+    assert FailsOnceOnThirdShard.failures == 1
+    assert engines_created == 1
+    assert result["computed"] == 5 and result["cache_hits"] == 0
+    assert result["validation"]["valid"]
+
+
+def test_a_second_run_hits_the_cache_for_every_shard_and_loads_no_model(first_run):
+    tmp, params, first, _ = first_run
+    before = CaptureEngine.instances_created
+    result = extract_hidden_states(params=params)
+    assert CaptureEngine.instances_created == before
+    assert result["cache_hits"] == 5 and result["computed"] == 0
+    assert result["manifest"] == first["manifest"]
+
+
+def test_a_lost_shard_is_recomputed_alone(first_run):
+    tmp, params, first, _ = first_run
+    contract.shard_path(tmp / "dataset", "shard-00003").unlink()
+    before = CaptureEngine.instances_created
+    result = extract_hidden_states(params=params)
+    assert CaptureEngine.instances_created == before + 1
+    assert result["computed"] == 1 and result["cache_hits"] == 4
+    assert json.loads((tmp / "dataset" / "manifest.json").read_text())["shards"] == \
+        contract.read_manifest(tmp / "dataset")["shards"]
+
+
+def test_validation_failures_are_not_retried_and_become_an_artifact(first_run):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    tmp, _, _, _ = first_run
+    params = pipeline_params(tmp, first_run[1].model.path, min_loss_tokens=10 ** 6)
+    state = extract_hidden_states(params=params, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValidationFailed):
+        state.result()
+
+    async def inspect():
+        async with get_client() as client:
+            runs = await client.read_task_runs()
+            validate_runs = [r for r in runs if r.flow_run_id == state.state_details.flow_run_id
+                             and r.name.startswith("validate")]
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["validation-failures"])))
+            return validate_runs, artifacts
+    validate_runs, artifacts = asyncio.run(inspect())
+    assert len(validate_runs) == 1 and validate_runs[0].run_count == 1
+    assert artifacts and "loss_tokens" in json.dumps(artifacts[0].data)
