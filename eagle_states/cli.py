@@ -67,10 +67,11 @@ def cmd_prepare(args) -> int:
 def cmd_validate(args) -> int:
     from eagle_states.validate import validate_dataset
 
-    params = load_params(args.params, {"output.dir": args.dir})
+    params = load_params(args.params, {"output.dir": args.dir, "validate.report": args.report})
     try:
         result = validate_dataset(Path(params.output.dir), Path(args.prepared) if args.prepared else None,
-                                  min_loss_tokens=params.validate_.min_loss_tokens)
+                                  min_loss_tokens=params.validate_.min_loss_tokens,
+                                  report=Path(params.validate_.report))
     except (OSError, ValueError, KeyError) as exc:
         print(f"eagle-states validate: could not run: {exc}", file=sys.stderr)
         return 2
@@ -78,7 +79,9 @@ def cmd_validate(args) -> int:
         print(json.dumps(result.summary))
         return 0
     print(result.failures.to_string(index=False, max_rows=50), file=sys.stderr)
-    print(f"INVALID: {len(result.failures)} failures (all listed in {params.output.dir}/validation_failures.csv)",
+    from eagle_states.validate import failures_path
+
+    print(f"INVALID: {len(result.failures)} failures (all listed in {failures_path(params.validate_.report)})",
           file=sys.stderr)
     return 1
 
@@ -112,6 +115,24 @@ def cmd_run(args) -> int:
                       "cache_hits": result["cache_hits"], "computed": result["computed"],
                       "valid": result["validation"]["valid"]}))
     return 0
+
+
+def cmd_inputs(args) -> int:
+    from eagle_states.pipeline import record_inputs
+
+    params = load_params(args.params)
+    record_inputs(params, Path(args.out))
+    return 0
+
+
+def cmd_publish(args) -> int:
+    from eagle_states.publish import publish
+
+    params = load_params(args.params, {"output.dir": args.dir})
+    result = publish(Path("."), Path(params.output.dir), Path(params.validate_.report), push=not args.no_push,
+                     push_retries=params.publish.push_retries)
+    print(json.dumps(result))
+    return 0 if result["pushed"] or args.no_push else 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,9 +194,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("inputs", help="build the demo inputs if asked for; record the model and data identity")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--out", default="work/inputs.json")
+    p.set_defaults(func=cmd_inputs)
+
+    p = sub.add_parser("publish", help="DVC-commit, git-tag and push a validated dataset (exit 3: push failed)")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--no-push", action="store_true")
+    p.set_defaults(func=cmd_publish)
+
     p = sub.add_parser("validate", help="check a dataset against the data contract (exit 0 valid, 1 invalid, 2 error)")
     p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
     p.add_argument("--prepared", help="the prepared input, to check that no sample is missing or extra")
+    p.add_argument("--report", help="where the summary goes (default: validate.report)")
     p.add_argument("--params", default="params.yaml")
     p.set_defaults(func=cmd_validate)
     return parser

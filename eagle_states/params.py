@@ -58,6 +58,13 @@ class ExtractParams(_Section):
 
 class ValidateParams(_Section):
     min_loss_tokens: int = Field(1, ge=0)
+    report: str = Field("work/validation.json", description="summary (DVC metrics); failures go beside it")
+
+
+class PublishParams(_Section):
+    enabled: bool = Field(False, description="commit the dataset to DVC, tag it in git and push it (flow only)")
+    push: bool = True
+    push_retries: int = Field(3, ge=1)
 
 
 class OutputParams(_Section):
@@ -71,6 +78,7 @@ class PipelineParams(_Section):
     prepare: PrepareParams = PrepareParams()
     extract: ExtractParams = ExtractParams()
     validate_: ValidateParams = Field(ValidateParams(), alias="validate")
+    publish: PublishParams = PublishParams()
     output: OutputParams = OutputParams()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

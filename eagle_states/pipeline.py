@@ -30,6 +30,17 @@ def ensure_inputs(params: PipelineParams) -> None:
         write_demo_conversations(Path(params.data.path))
 
 
+def record_inputs(params: PipelineParams, out: Path) -> dict:
+    """The identity of the model and the data, as a small file DVC stages depend on (hashing a model directory
+    of a trillion parameters on every `dvc repro` is not an option; its fingerprint is)."""
+    ensure_inputs(params)
+    identity = {"model": {k: v for k, v in contract.model_identity(Path(params.model.path)).items() if k != "path"},
+                "data_sha256": contract.sha256_file(Path(params.data.path))}
+    if not out.exists() or json.loads(out.read_text()) != identity:  # unchanged bytes keep DVC from rerunning
+        contract.atomic_write_json(out, identity)
+    return identity
+
+
 def prepare_settings(params: PipelineParams) -> PrepareSettings:
     p = params.prepare
     return PrepareSettings(max_length=p.max_length, overlong=p.overlong, min_loss_tokens=p.min_loss_tokens,

@@ -21,8 +21,11 @@ from pandera.typing import Series
 from eagle_states import contract
 
 log = logging.getLogger(__name__)
-REPORT_FILE = "validation.json"
-FAILURES_FILE = "validation_failures.csv"
+FAILURES_SUFFIX = "_failures.csv"
+
+
+def failures_path(report: Path) -> Path:
+    return Path(report).with_name(Path(report).stem + FAILURES_SUFFIX)
 
 
 class ValidationFailed(Exception):
@@ -245,8 +248,9 @@ class ValidationResult:
 
 
 def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_loss_tokens: int = 0,
-                     write_report: bool = True) -> ValidationResult:
-    """Validate a dataset directory; writes validation.json (and validation_failures.csv when invalid).
+                     report: Path | None = None) -> ValidationResult:
+    """Validate a dataset directory. With `report`, writes the summary there (and NAME_failures.csv beside it
+    when invalid); the report lives outside the dataset, whose bytes stay the writer's.
 
     Raises OSError/FileNotFoundError when it cannot run (I/O, worth a retry); returns a result otherwise.
     """
@@ -282,20 +286,18 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
         "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
         "dataset_manifest_sha256": contract.sha256_file(dataset_dir / contract.MANIFEST_FILE)}
-    if write_report:
-        contract.atomic_write_json(dataset_dir / REPORT_FILE, summary)
-        failures_path = dataset_dir / FAILURES_FILE
+    if report is not None:
+        contract.atomic_write_json(Path(report), summary)
         if failures_frame.empty:
-            failures_path.unlink(missing_ok=True)
+            failures_path(report).unlink(missing_ok=True)
         else:
-            contract.atomic_write_bytes(failures_path, failures_frame.to_csv(index=False).encode())
+            contract.atomic_write_bytes(failures_path(report), failures_frame.to_csv(index=False).encode())
     return ValidationResult(failures_frame.empty, failures_frame, summary)
 
 
-def is_validated(dataset_dir: Path) -> bool:
-    """True if the dataset passed validation and has not changed since (its manifest hash is the same)."""
-    report = Path(dataset_dir) / REPORT_FILE
-    manifest = Path(dataset_dir) / contract.MANIFEST_FILE
+def is_validated(dataset_dir: Path, report: Path) -> bool:
+    """True if `report` says the dataset passed validation and the dataset has not changed since (same manifest)."""
+    report, manifest = Path(report), Path(dataset_dir) / contract.MANIFEST_FILE
     if not report.exists() or not manifest.exists():
         return False
     summary = json.loads(report.read_text())

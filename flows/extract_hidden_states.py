@@ -1,4 +1,4 @@
-"""The pipeline flow: prepare -> extract (one cached task per shard) -> validate -> publish."""
+"""The pipeline flow: prepare -> extract (one cached task per shard) -> validate -> publish (when enabled)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from eagle_states.params import PipelineParams, load_params
 from eagle_states.run_report import render_markdown
 from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.prepare import prepare_task
+from tasks.publish import publish_task
 from tasks.session import extraction_session
 from tasks.validate import validate_task
 
@@ -33,10 +34,11 @@ def extract_hidden_states(params: PipelineParams | None = None, params_file: str
         lengths = [len(s.input_ids) for s in session.extraction.samples]
     with timed(stages, "validate"):
         summary = validate_task(params)
+    published = publish_task(params) if params.publish.enabled else None
     report = render_markdown(dataset=params.output.dir, manifest=manifest, validation=summary, outcomes=outcomes,
                              stage_seconds=stages, lengths=lengths)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
-    return {"dataset": params.output.dir, "manifest": manifest, "validation": summary,
+    return {"dataset": params.output.dir, "manifest": manifest, "validation": summary, "published": published,
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes)}
 
 

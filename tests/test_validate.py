@@ -51,12 +51,13 @@ def checks(result):
     return {(row.sample_id, str(row.layer), row.check) for row in result.failures.itertuples()}
 
 
-def test_a_correct_dataset_is_valid(good_dataset, capsys):
+def test_a_correct_dataset_is_valid(good_dataset, tmp_path):
     result = validate_dataset(good_dataset, min_loss_tokens=1)
     assert result.valid, result.failures
     assert result.summary["samples"] == 6 and result.summary["layers"] == [2, 4, 5, 8]
     assert result.summary["tokens"] == 5 + 17 + 40 + 3 + 64 + 9
-    assert cli(["validate", str(good_dataset)]) == 0
+    assert cli(["validate", str(good_dataset), "--report", str(tmp_path / "v.json")]) == 0
+    assert json.loads((tmp_path / "v.json").read_text())["valid"]
 
 
 def test_layer_replaced_by_its_first_row(copy):
@@ -121,15 +122,15 @@ def test_a_shard_changed_after_the_manifest(copy):
     assert ("shard-00000", "", "sha256_matches: equal_to(True)") in checks(validate_dataset(copy))
 
 
-def test_a_truncated_shard(copy, capsys):
+def test_a_truncated_shard(copy):
     path = contract.shard_path(copy, "shard-00001")
     path.write_bytes(path.read_bytes()[:-1000])
     result = validate_dataset(copy)
     found = checks(result)
     assert any(s == "shard-00001" and "readable" in c for s, _, c in found)
     assert ("p004", "", "occurrences: equal_to(1)") in found  # its sample is missing
-    assert cli(["validate", str(copy)]) == 1
-    assert (copy / "validation_failures.csv").exists()
+    assert cli(["validate", str(copy), "--report", str(copy.parent / "validation.json")]) == 1
+    assert (copy.parent / "validation_failures.csv").exists()
 
 
 def test_a_token_id_outside_the_vocabulary_and_too_few_loss_tokens(copy):
@@ -143,4 +144,4 @@ def test_a_token_id_outside_the_vocabulary_and_too_few_loss_tokens(copy):
 
 
 def test_cannot_run_is_exit_2(tmp_path):
-    assert cli(["validate", str(tmp_path / "nothing")]) == 2
+    assert cli(["validate", str(tmp_path / "nothing"), "--report", str(tmp_path / "v.json")]) == 2

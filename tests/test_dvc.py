@@ -1,0 +1,139 @@
+"""DVC in a temporary git + DVC repository with a local remote: `dvc repro`, its no-op rerun, a parameter change,
+publishing and getting a version back, a failed validation blocking publication, a failing push, and the Prefect
+flow giving the same bytes as `dvc repro`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+BIN = Path(sys.executable).parent
+PROJECT_FILES = ["eagle_states", "flows", "tasks", "dvc.yaml", "params.yaml", "prefect.yaml", "pyproject.toml",
+                 ".dvc/config", ".dvcignore", ".gitignore"]
+
+
+def sh(*args, cwd, check=True, env=None):
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", **(env or {})})
+    if check and done.returncode:
+        raise AssertionError(f"{' '.join(args)} -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def shard_hashes(dataset: Path) -> dict:
+    return {s["name"]: s["sha256"] for s in json.loads((dataset / "manifest.json").read_text())["shards"]}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dvc")
+    repo, remote = root / "repo", root / "remote"
+    for name in PROJECT_FILES:
+        source, target = REPO / name, repo / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, target)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["prepare"]["limit"] = 12
+    params["extract"]["shard_max_tokens"] = 1500
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh("git", "init", "-q", cwd=repo)
+    sh("git", "config", "user.email", "ci@example.com", cwd=repo)
+    sh("git", "config", "user.name", "CI", cwd=repo)
+    sh("dvc", "remote", "modify", "local", "url", str(remote), cwd=repo)
+    sh("git", "add", "-A", cwd=repo)
+    sh("git", "commit", "-q", "-m", "project", cwd=repo)
+    first = sh("dvc", "repro", cwd=repo)
+    return repo, remote, first.stdout
+
+
+def test_repro_runs_the_whole_pipeline(repo):
+    repo, _, out = repo
+    for stage in ("inputs", "prepare", "extract", "validate"):
+        assert f"Running stage '{stage}'" in out
+    assert json.loads((repo / "work" / "validation.json").read_text())["valid"]
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"inputs", "prepare", "extract", "validate"}
+
+
+def test_second_repro_does_nothing(repo):
+    repo, _, _ = repo
+    out = sh("dvc", "repro", cwd=repo).stdout
+    for stage in ("prepare", "extract", "validate"):
+        assert f"Running stage '{stage}'" not in out, out
+
+
+def test_prefect_flow_and_dvc_repro_give_identical_bytes(repo):
+    repo, _, _ = repo
+    sh("eagle-states", "run", "--out", "work/flow-dataset", cwd=repo, env={"PREFECT_HOME": str(repo / ".ph")})
+    dvc_dataset, flow_dataset = repo / "work" / "dataset", repo / "work" / "flow-dataset"
+    assert shard_hashes(flow_dataset) == shard_hashes(dvc_dataset)
+    assert (flow_dataset / "manifest.json").read_bytes() == (dvc_dataset / "manifest.json").read_bytes()
+    shutil.rmtree(flow_dataset)
+
+
+def test_publish_then_pull_the_version_into_a_fresh_clone(repo, tmp_path):
+    repo, remote, _ = repo
+    result = json.loads(sh("eagle-states", "publish", cwd=repo).stdout)
+    assert result["pushed"] and result["version"].startswith("dataset-")
+    assert sh("git", "tag", "--list", result["version"], cwd=repo).stdout.strip() == result["version"]
+    clone = tmp_path / "clone"
+    sh("git", "clone", "-q", str(repo), str(clone), cwd=tmp_path)
+    sh("git", "checkout", "-q", result["version"], cwd=clone)
+    sh("dvc", "pull", "-q", "extract", cwd=clone)
+    assert shard_hashes(clone / "work" / "dataset") == shard_hashes(repo / "work" / "dataset")
+    for shard in (clone / "work" / "dataset" / "shards").iterdir():
+        assert shard.read_bytes() == (repo / "work" / "dataset" / "shards" / shard.name).read_bytes()
+    got = tmp_path / "got"
+    sh("dvc", "get", str(repo), "work/dataset/manifest.json", "--rev", result["version"], "-o", str(got),
+       cwd=tmp_path)
+    assert got.read_bytes() == (repo / "work" / "dataset" / "manifest.json").read_bytes()
+
+
+def test_changing_a_layer_id_reruns_extract_and_validate_only(repo):
+    repo, _, _ = repo
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["extract"]["layer_ids"] = [1, 4, 5, 8]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = sh("dvc", "repro", cwd=repo).stdout
+    assert "Running stage 'extract'" in out and "Running stage 'validate'" in out
+    assert "Running stage 'prepare'" not in out
+    assert json.loads((repo / "work" / "dataset" / "manifest.json").read_text())["layer_ids"] == [1, 4, 5, 8]
+
+
+def test_an_invalid_dataset_cannot_be_published(repo):
+    repo, _, _ = repo
+    tags_before = sh("git", "tag", cwd=repo).stdout
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["validate"]["min_loss_tokens"] = 10 ** 6
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert sh("dvc", "repro", cwd=repo, check=False).returncode != 0  # the validate stage fails
+    refused = sh("eagle-states", "publish", cwd=repo, check=False)
+    assert refused.returncode != 0 and "has not passed validation" in refused.stderr
+    assert sh("git", "tag", cwd=repo).stdout == tags_before
+    params["validate"]["min_loss_tokens"] = 1
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh("dvc", "repro", cwd=repo)
+
+
+def test_a_failing_push_is_retried_and_keeps_the_local_version(repo):
+    repo, remote, _ = repo
+    sh("dvc", "remote", "modify", "--local", "local", "url", "/proc/eagle-states-no-such-remote", cwd=repo)
+    try:
+        failed = sh("eagle-states", "publish", cwd=repo, check=False)
+    finally:
+        sh("dvc", "remote", "modify", "--local", "--unset", "local", "url", cwd=repo)
+    assert failed.returncode == 3
+    result = json.loads(failed.stdout)
+    assert not result["pushed"] and "committed and tagged locally" in result["error"]
+    assert failed.stderr.count("dvc push failed (attempt") == 3
+    assert sh("git", "tag", "--list", result["version"], cwd=repo).stdout.strip() == result["version"]
