@@ -135,6 +135,22 @@ def cmd_publish(args) -> int:
     return 0 if result["pushed"] or args.no_push else 3
 
 
+def cmd_export(args) -> int:
+    from eagle_states.export import export_dataset
+
+    params = load_params(args.params, {"output.dir": args.dir})
+    formats = [args.format] if args.format else params.export.formats
+    if not args.format:
+        Path(args.out or params.export.out).mkdir(parents=True, exist_ok=True)  # the DVC stage's output
+    for fmt in formats:
+        out = Path(args.out) if args.out and args.format else Path(args.out or params.export.out) / fmt
+        info = export_dataset(Path(params.output.dir), out, fmt, Path(params.validate_.report),
+                              progress=not args.no_progress)
+        print(json.dumps({"format": fmt, "out": str(out), "samples": info["samples"],
+                          "source_manifest_sha256": info["manifest_sha256"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -205,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-push", action="store_true")
     p.set_defaults(func=cmd_publish)
 
+    p = sub.add_parser("export", help="write a validated dataset in a trainer's layout")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    p.add_argument("--format", choices=["speculators", "speculators-legacy", "specforge"],
+                   help="default: every format in export.formats")
+    p.add_argument("--out", help="output directory (with --format) or parent directory (default: export.out)")
+    p.add_argument("--params", default="params.yaml")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("validate", help="check a dataset against the data contract (exit 0 valid, 1 invalid, 2 error)")
     p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
     p.add_argument("--prepared", help="the prepared input, to check that no sample is missing or extra")
@@ -220,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # bad input or settings: say which, exit 2
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad input, settings or state: exit 2
         print(f"eagle-states {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -61,6 +61,12 @@ class ValidateParams(_Section):
     report: str = Field("work/validation.json", description="summary (DVC metrics); failures go beside it")
 
 
+class ExportParams(_Section):
+    formats: list[Literal["speculators", "speculators-legacy", "specforge"]] = Field(
+        default_factory=list, description="trainer layouts to export after validation")
+    out: str = Field("work/exports", description="one subdirectory per format")
+
+
 class PublishParams(_Section):
     enabled: bool = Field(False, description="commit the dataset to DVC, tag it in git and push it (flow only)")
     push: bool = True
@@ -78,6 +84,7 @@ class PipelineParams(_Section):
     prepare: PrepareParams = PrepareParams()
     extract: ExtractParams = ExtractParams()
     validate_: ValidateParams = Field(ValidateParams(), alias="validate")
+    export: ExportParams = ExportParams()
     publish: PublishParams = PublishParams()
     output: OutputParams = OutputParams()
 

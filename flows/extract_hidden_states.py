@@ -1,4 +1,4 @@
-"""The pipeline flow: prepare -> extract (one cached task per shard) -> validate -> publish (when enabled)."""
+"""The pipeline flow: prepare -> extract (one cached task per shard) -> validate -> export -> publish."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from eagle_states.params import PipelineParams, load_params
 from eagle_states.run_report import render_markdown
+from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.prepare import prepare_task
 from tasks.publish import publish_task
@@ -34,11 +35,12 @@ def extract_hidden_states(params: PipelineParams | None = None, params_file: str
         lengths = [len(s.input_ids) for s in session.extraction.samples]
     with timed(stages, "validate"):
         summary = validate_task(params)
+    exports = [export_task(params, fmt) for fmt in params.export.formats]
     published = publish_task(params) if params.publish.enabled else None
     report = render_markdown(dataset=params.output.dir, manifest=manifest, validation=summary, outcomes=outcomes,
                              stage_seconds=stages, lengths=lengths)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
-    return {"dataset": params.output.dir, "manifest": manifest, "validation": summary, "published": published,
+    return {"dataset": params.output.dir, "manifest": manifest, "validation": summary, "exports": exports, "published": published,
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes)}
 
 

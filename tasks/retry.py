@@ -1,10 +1,11 @@
 """Which failures are worth a retry: I/O and engine trouble are; bad input and invalid data are not."""
 
+from eagle_states.export import ExportRefused
 from eagle_states.extract import InputError
 from eagle_states.validate import ValidationFailed
 from eagle_states.vllm_capture import UnsupportedModelError
 
-DETERMINISTIC = (ValidationFailed, InputError, UnsupportedModelError, FileNotFoundError, KeyError)
+DETERMINISTIC = (ValidationFailed, InputError, ExportRefused, UnsupportedModelError, FileNotFoundError, KeyError)
 
 
 def transient_only(task, task_run, state) -> bool:

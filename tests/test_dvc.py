@@ -45,6 +45,7 @@ def repo(tmp_path_factory):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["prepare"]["limit"] = 12
     params["extract"]["shard_max_tokens"] = 1500
+    params["export"]["formats"] = ["speculators"]
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     sh("git", "init", "-q", cwd=repo)
     sh("git", "config", "user.email", "ci@example.com", cwd=repo)
@@ -58,11 +59,14 @@ def repo(tmp_path_factory):
 
 def test_repro_runs_the_whole_pipeline(repo):
     repo, _, out = repo
-    for stage in ("inputs", "prepare", "extract", "validate"):
+    for stage in ("inputs", "prepare", "extract", "validate", "export"):
         assert f"Running stage '{stage}'" in out
     assert json.loads((repo / "work" / "validation.json").read_text())["valid"]
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"inputs", "prepare", "extract", "validate"}
+    assert set(lock["stages"]) == {"inputs", "prepare", "extract", "validate", "export"}
+    manifest = json.loads((repo / "work" / "dataset" / "manifest.json").read_text())
+    assert json.loads((repo / "work" / "exports" / "speculators" / "export.json").read_text())[
+        "samples"] == manifest["num_samples"]
 
 
 def test_second_repro_does_nothing(repo):

@@ -1,0 +1,106 @@
+"""Exports read back by the trainers' own code (speculators) or by a reader following SpecForge's published
+loader, bit for bit; refusals; resume."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_prompts, write_prompt_jsonl
+from eagle_states import contract
+from eagle_states.export import ExportRefused, export_dataset
+from eagle_states.extract import ExtractionSettings, run_extraction
+from eagle_states.validate import validate_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, llama_model):
+    tmp = tmp_path_factory.mktemp("export")
+    source = write_prompt_jsonl(tmp / "prompts.jsonl", random_prompts([5, 17, 40, 3, 64, 9, 120], 300, seed=9))
+    settings = ExtractionSettings(model=llama_model, layer_ids="eagle3", dtype="float32", shard_max_tokens=100,
+                                  max_model_len=256, max_num_batched_tokens=64, gpu_memory_utilization=0.1)
+    run_extraction(settings, source, tmp / "dataset", progress=False)
+    assert validate_dataset(tmp / "dataset", report=tmp / "validation.json").valid
+    return tmp / "dataset", tmp / "validation.json"
+
+
+def test_speculators_reads_our_export_with_its_own_loader(dataset, tmp_path):
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    path, report = dataset
+    info = export_dataset(path, tmp_path / "spec", "speculators", report, progress=False)
+    assert info["manifest_sha256"] == contract.sha256_file(path / "manifest.json")
+    ours = contract.Dataset(path)
+    theirs = ArrowDataset(max_len=512, datapath=tmp_path / "spec", on_missing="raise",
+                          hidden_states_dtype=torch.float32)
+    assert len(theirs) == len(ours)
+    items = []
+    for i, sid in enumerate(ours.sample_ids):
+        item, sample = theirs[i], ours[sid]
+        assert torch.equal(item["input_ids"], sample.input_ids.long())
+        assert torch.equal(item["loss_mask"].long(), sample.loss_mask.long())
+        assert torch.equal(item["hidden_states"], torch.cat(sample.hidden_states[:-1], dim=-1))  # aux, in order
+        assert torch.equal(item["verifier_last_hidden_states"], sample.hidden_states[-1])  # the final state
+        items.append(item)
+    batch = CollateFn(max_len=512, hidden_size=256, num_target_layers=3, dtype=torch.float32)(items[:3])
+    n = sum(len(ours[sid].input_ids) for sid in ours.sample_ids[:3])
+    assert torch.equal(batch["hidden_states"][0, :n], torch.cat([items[k]["hidden_states"] for k in range(3)]))
+    freq = torch.load(tmp_path / "spec" / "token_freq.pt")
+    assert sum(freq.values()) == ours.manifest["num_loss_tokens"]
+
+
+def load_specforge_file(path):
+    """Reads a file the way SpecForge's OfflineEagle3Dataset does (torch.load; aux_hidden_state squeezed to
+    [T, (L-1)H] is the draft input, hidden_state squeezed to [T, H] the target)."""
+    data = torch.load(path, weights_only=False, mmap=True)
+    return {"hidden_state": data["aux_hidden_state"].squeeze(0), "target": data["hidden_state"].squeeze(0),
+            "input_ids": data["input_ids"], "loss_mask": data["loss_mask"]}
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators-legacy"])
+def test_round_trip(dataset, tmp_path, fmt):
+    path, report = dataset
+    out = tmp_path / fmt
+    export_dataset(path, out, fmt, report, progress=False)
+    ours = contract.Dataset(path)
+    for i, sid in enumerate(ours.sample_ids):
+        sample = ours[sid]
+        if fmt == "specforge":
+            files = list(out.glob(f"rows_*/data_{i}.ckpt"))
+            assert len(files) == 1
+            got = load_specforge_file(files[0])
+            assert torch.equal(got["target"], sample.hidden_states[-1])
+            assert torch.equal(got["hidden_state"], torch.cat(sample.hidden_states[:-1], dim=-1))
+        else:
+            got = torch.load(out / f"data_{i}.pt")
+            assert len(got["hidden_states"]) == 4
+            assert all(torch.equal(a, b) for a, b in zip(got["hidden_states"], sample.hidden_states))
+        assert torch.equal(got["input_ids"], sample.input_ids.long())
+        assert torch.equal(got["loss_mask"], sample.loss_mask.long())
+
+
+def test_an_interrupted_export_resumes(dataset, tmp_path):
+    path, report = dataset
+    out = tmp_path / "legacy"
+    export_dataset(path, out, "speculators-legacy", report, progress=False)
+    (out / "data_2.pt").unlink()
+    (out / "data_5.pt").unlink()
+    (out / "export.json").unlink()  # as if killed before the end
+    assert export_dataset(path, out, "speculators-legacy", report, progress=False)["written_this_run"] == 2
+
+
+def test_refusals(dataset, tmp_path, llama_model):
+    path, report = dataset
+    with pytest.raises(ExportRefused, match="has not passed validation"):
+        export_dataset(path, tmp_path / "x", "speculators", tmp_path / "no-report.json", progress=False)
+    source = write_prompt_jsonl(tmp_path / "p.jsonl", random_prompts([5, 7], 300))
+    settings = ExtractionSettings(model=llama_model, layer_ids=[0, 2, 4], dtype="float32", max_model_len=64,
+                                  gpu_memory_utilization=0.1)
+    run_extraction(settings, source, tmp_path / "no-final", progress=False)
+    assert validate_dataset(tmp_path / "no-final", report=tmp_path / "v.json").valid
+    for fmt in ("speculators", "specforge"):
+        with pytest.raises(ExportRefused, match="final state"):
+            export_dataset(tmp_path / "no-final", tmp_path / fmt, fmt, tmp_path / "v.json", progress=False)
+    export_dataset(tmp_path / "no-final", tmp_path / "legacy", "speculators-legacy", tmp_path / "v.json",
+                   progress=False)
+    assert json.loads((tmp_path / "legacy" / "export.json").read_text())["layer_ids"] == [0, 2, 4]
