@@ -43,8 +43,15 @@ def cmd_extract(args) -> int:
     params = load_params(args.params, overrides)
     if not (Path(params.model.path) / "config.json").exists():
         raise FileNotFoundError(f"model directory {params.model.path} has no config.json")
-    manifest = run_extraction(extraction_settings(params), Path(params.extract_input), Path(params.output.dir),
-                              progress=not args.no_progress)
+    if params.extract.data_parallel_size > 1:
+        from eagle_states.parallel import run_data_parallel
+
+        manifest = run_data_parallel(extraction_settings(params), Path(params.extract_input),
+                                     Path(params.output.dir), params.extract.data_parallel_size,
+                                     params.extract.gpu_ids)
+    else:
+        manifest = run_extraction(extraction_settings(params), Path(params.extract_input), Path(params.output.dir),
+                                  progress=not args.no_progress)
     print(json.dumps({k: manifest[k] for k in ("num_samples", "num_tokens", "layer_ids", "dtype")}))
     print(f"dataset written to {params.output.dir}")
     return 0

@@ -46,6 +46,8 @@ class ExtractParams(_Section):
     max_num_seqs: int = Field(64, gt=0)
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="on the CPU build: share of host memory for KV")
     tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1, description="engines, each on its own GPU group (CLI extract)")
+    gpu_ids: Optional[list[int]] = Field(None, description="GPUs to use, tensor_parallel_size per engine")
     write_threads: int = Field(2, ge=1)
 
     @field_validator("layer_ids", mode="before")
