@@ -15,6 +15,7 @@ The manifest is written last: a directory without `manifest.json` is an unfinish
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -133,21 +134,33 @@ def sample_tensors(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Ten
 
 # ---------------------------------------------------------------------------------------------------------------
 # Atomic writes and hashing
-def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
-    """Write to a temp file in the same directory, fsync, then rename: a crash never leaves a partial file."""
+@contextlib.contextmanager
+def atomic_file(path: Path):
+    """An unbuffered binary file at a temp name in the same directory; on success it is fsynced and renamed to
+    `path`, on failure removed: a crash never leaves a partial file under the final name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            yield f
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _write_all(f, data) -> None:
+    data = memoryview(data).cast("B")
+    while data:
+        data = data[f.write(data):]
+
+
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
+    with atomic_file(path) as f:
+        _write_all(f, data)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -185,27 +198,15 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Te
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
     digest = hashlib.sha256()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
-                digest.update(chunk)
-                f.write(chunk)
-            for name in names:
-                for piece in pieces[name]:
-                    data = memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B")
-                    digest.update(data)
-                    while data:
-                        written = f.write(data)
-                        data = data[written:]
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as f:
+        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
+            digest.update(chunk)
+            f.write(chunk)
+        for name in names:
+            for piece in pieces[name]:
+                data = piece.contiguous().view(torch.uint8).numpy()
+                digest.update(data)
+                _write_all(f, data)
     return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 
