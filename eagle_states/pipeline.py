@@ -151,11 +151,14 @@ class RestartingEngines(EngineHolder):
 
 
 def engine_is_dead(engine: CaptureEngine, error: BaseException) -> bool:
+    """Whether the engine can still serve: vLLM says it is dead, or a one-token request through it fails."""
+    from vllm import SamplingParams
     from vllm.v1.engine.exceptions import EngineDeadError
 
     if isinstance(error, EngineDeadError):
         return True
     try:
+        engine.llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), use_tqdm=False)
         engine._rpc("eagle_poll", False)
         return False
     except Exception:

@@ -109,3 +109,27 @@ def test_validation_failures_are_not_retried_and_become_an_artifact(first_run):
     validate_runs, artifacts = asyncio.run(inspect())
     assert len(validate_runs) == 1 and validate_runs[0].run_count == 1
     assert artifacts and "loss_tokens" in json.dumps(artifacts[0].data)
+
+
+class DiesOnSecondShard(CaptureEngine):
+    """The real engine; on its first attempt at shard-00001 its engine core is shut down under it."""
+    killed = 0
+
+    def extract(self, jobs, **kwargs):
+        if jobs[0].name == "shard-00001" and DiesOnSecondShard.killed == 0:
+            DiesOnSecondShard.killed += 1
+            self.llm.llm_engine.engine_core.shutdown()
+        yield from super().extract(jobs, **kwargs)
+
+
+def test_a_dead_engine_is_restarted_once_and_the_shard_retried(tmp_path, llama_model):
+    params = pipeline_params(tmp_path, llama_model)
+    tasks.session.ENGINE_FACTORY = DiesOnSecondShard
+    before = CaptureEngine.instances_created
+    try:
+        result = extract_hidden_states(params=params)
+    finally:
+        tasks.session.ENGINE_FACTORY = CaptureEngine
+    assert DiesOnSecondShard.killed == 1
+    assert CaptureEngine.instances_created - before == 2  # the first engine, and one restart
+    assert result["computed"] == 5 and result["validation"]["valid"]
