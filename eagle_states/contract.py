@@ -122,16 +122,6 @@ def parse_key(key: str) -> TensorKey | None:
     return TensorKey(m["sid"], "hidden_states", int(m["j"]))
 
 
-def sample_tensors(sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   hidden_states: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The shard entries of one sample. ids and mask are stored as int32 and uint8, states as captured."""
-    out = {key_input_ids(sample_id): input_ids.to(torch.int32).contiguous(),
-           key_loss_mask(sample_id): loss_mask.to(torch.uint8).contiguous()}
-    for j, state in enumerate(hidden_states):
-        out[key_hidden_state(sample_id, j)] = state.contiguous()
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Atomic writes and hashing
 @contextlib.contextmanager
@@ -297,7 +287,6 @@ def read_manifest(dataset_dir: Path) -> dict:
     return manifest
 
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 INDEX_COLUMNS = ["sample_id", "shard", "num_tokens", "num_loss_tokens", "source_row"]
 

@@ -115,39 +115,31 @@ class CaptureEngine:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               extra_args={SAMPLE_ID_KEY: sample_id})
 
-    def extract(self, jobs: list[ShardJob], max_shards_in_flight: int = 1) -> Iterator[ShardResult]:
+    def extract(self, jobs: list[ShardJob]) -> Iterator[ShardResult]:
         """Capture every job's samples; yields each shard once its file is on disk.
 
-        With one shard in flight (the default) a shard's batches depend on its own samples only, so a shard's
-        bytes do not depend on which shards ran beside it (resume, several engines, Prefect or DVC all give the
-        same files). Writing still overlaps with the next shard's forward passes.
+        One shard's requests are in the engine at a time, so a shard's batches depend on its own samples only and
+        its bytes do not depend on which shards ran beside it (resume, several engines, Prefect or DVC all give
+        the same files). Writing still overlaps with the next shard's forward passes.
         """
         engine = self.llm.llm_engine
-        pending = list(jobs)
-        in_flight: dict[str, tuple[ShardJob, set[str]]] = {}  # shard name -> (job, unfinished request ids)
-        owner: dict[str, str] = {}  # request id -> shard name
+        owner: set[str] = set()  # request ids of the shard in the engine
         try:
-            while pending or in_flight:
-                while pending and len(in_flight) < max_shards_in_flight:
-                    job = pending.pop(0)
-                    request_ids = set()
-                    for sample in job.samples:
-                        self._request_counter += 1
-                        request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
-                        engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
-                                           self._sampling_params(sample.sample_id))
-                        request_ids.add(request_id)
-                        owner[request_id] = job.name
-                    in_flight[job.name] = (job, request_ids)
-                    if not job.samples:
-                        raise ValueError(f"shard {job.name} has no samples")
-                for output in engine.step():
-                    if output.finished and output.request_id in owner:
-                        in_flight[owner.pop(output.request_id)][1].discard(output.request_id)
-                for name in [n for n, (_, left) in in_flight.items() if not left]:
-                    job, _ = in_flight.pop(name)
-                    self._queue_write(job)
-                yield from self._collect(wait=False)
+            for job in jobs:
+                if not job.samples:
+                    raise ValueError(f"shard {job.name} has no samples")
+                for sample in job.samples:
+                    self._request_counter += 1
+                    request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
+                    engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
+                                       self._sampling_params(sample.sample_id))
+                    owner.add(request_id)
+                while owner:
+                    for output in engine.step():
+                        if output.finished:
+                            owner.discard(output.request_id)
+                    yield from self._collect(wait=False)
+                self._queue_write(job)  # returns at once: the workers write while the next shard runs
             yield from self._collect(wait=True)
         except BaseException:
             self.reset(list(owner))

@@ -4,7 +4,6 @@ call. Nothing here imports Prefect."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,13 +113,11 @@ class ShardOutcome:
     num_samples: int
     num_tokens: int
     computed: bool  # False when the shard was already on disk
-    seconds: float = 0.0
 
 
 def extract_shard(extraction: Extraction, engines: EngineHolder, shard_name: str) -> ShardOutcome:
     """Make sure one shard is on disk; loads the model (through `engines`) only if the shard is missing."""
     shard = next(s for s in extraction.shards if s.name == shard_name)
-    started = time.time()
     receipt = extraction.receipt(shard)
     computed = receipt is None
     if computed:
@@ -128,7 +125,7 @@ def extract_shard(extraction: Extraction, engines: EngineHolder, shard_name: str
         for result in engines(extraction.engine_settings()).extract([extraction.job(shard)]):
             receipt = extraction.record(shard, result)
     return ShardOutcome(shard.name, receipt["sha256"], receipt["bytes"], len(receipt["samples"]),
-                        sum(s["num_tokens"] for s in receipt["samples"]), computed, time.time() - started)
+                        sum(s["num_tokens"] for s in receipt["samples"]), computed)
 
 
 class RestartingEngines(EngineHolder):

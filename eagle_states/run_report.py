@@ -14,7 +14,7 @@ def length_histogram(lengths: list[int], bins: int = 8, width: int = 30) -> list
         counts[min((n - low) // step, bins - 1)] += 1
     top = max(counts)
     return [(f"{low + i * step}-{low + (i + 1) * step - 1}", c, "█" * round(width * c / top))
-            for i, c in enumerate(counts) if c or i < bins]
+            for i, c in enumerate(counts)]
 
 
 def render_markdown(*, dataset: str, manifest: dict, validation: dict, outcomes: list, stage_seconds: dict,

@@ -57,7 +57,7 @@ def run_shards(session) -> list:
         state = task(session.key, name, session.cache_key(name), return_state=True)
         outcome = state.result()
         # a cache hit returns the stored outcome of the run that computed it
-        outcomes.append(replace(outcome, computed=False, seconds=0.0) if state.name == "Cached" else outcome)
+        outcomes.append(replace(outcome, computed=False) if state.name == "Cached" else outcome)
         update_progress_artifact(progress, 100.0 * len(outcomes) / len(names))
     computed = sum(o.computed for o in outcomes)
     get_run_logger().info("%d shards: %d cache hits, %d computed", len(names), len(names) - computed, computed)
