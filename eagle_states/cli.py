@@ -9,7 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
-from eagle_states.params import PipelineParams, load_params
+from eagle_states.params import load_params
+
 
 def _overrides(args) -> dict:
     out = {}
@@ -17,10 +18,9 @@ def _overrides(args) -> dict:
         out["model.path"], out["model.build_demo_if_missing"] = args.model, False
     if getattr(args, "data", None):
         out["data.path"], out["data.build_demo_if_missing"] = args.data, False
-    for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype"),
-                      ("out", None)):
+    for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype")):
         value = getattr(args, flag, None)
-        if value is not None and key:
+        if value is not None:
             out[key] = value
     return out
 
@@ -58,13 +58,12 @@ def cmd_extract(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from eagle_states.pipeline import ensure_inputs, prepare_step
+    from eagle_states.pipeline import prepare_step
 
     overrides = _overrides(args)
     overrides["prepare.out"] = args.out
     overrides["data.format"] = args.format
     params = load_params(args.params, overrides)
-    ensure_inputs(params)
     report = prepare_step(params, progress=not args.no_progress)
     print(json.dumps({k: report[k] for k in ("format", "rows_read", "rows_written", "rows_skipped",
                                              "skipped_by_reason")}))

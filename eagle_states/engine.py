@@ -213,10 +213,6 @@ class EngineHolder:
             raise ValueError(f"the loaded engine has settings {self.engine.settings}, asked for {settings}")
         return self.engine
 
-    def restart(self) -> None:
-        """Drop a dead engine; the next call loads a fresh one."""
-        self.close()
-
     def close(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:

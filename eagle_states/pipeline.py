@@ -75,12 +75,8 @@ def prepare_step(params: PipelineParams, progress: bool = True) -> dict:
     existing = prepared_intact(params)
     if existing is not None:
         return existing
-    report = prepare(Path(params.data.path), Path(params.model.path), Path(params.prepare.out),
-                     prepare_settings(params), progress=progress)
-    report["identity"] = prepare_identity(params)
-    report["samples_sha256"] = contract.sha256_file(Path(params.prepare.out) / SAMPLES_FILE)
-    contract.atomic_write_json(Path(params.prepare.out) / PREPARE_REPORT, report)
-    return report
+    return prepare(Path(params.data.path), Path(params.model.path), Path(params.prepare.out),
+                   prepare_settings(params), progress=progress, identity=prepare_identity(params))
 
 
 def extraction_settings(params: PipelineParams):

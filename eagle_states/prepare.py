@@ -272,8 +272,9 @@ def load_tokenizer(model_dir: Path):
 
 
 def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PrepareSettings,
-            progress: bool = True) -> dict:
-    """The prepare step (CLI, Prefect task and DVC stage). Returns the report."""
+            progress: bool = True, identity: str | None = None) -> dict:
+    """Prepare `data_path` into `out_dir`; returns the report (written last, with `identity`, what the caller
+    uses to recognise output made from the same inputs, and the sha256 of samples.parquet)."""
     import pandas as pd
 
     tokenizer = load_tokenizer(model_dir)
@@ -305,7 +306,8 @@ def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PrepareSe
         "rows_read": result.rows_read, "rows_written": len(result.samples), "rows_skipped": len(result.skipped),
         "skipped_by_reason": dict(sorted(Counter(s["reason"] for s in result.skipped).items())),
         "num_tokens": int(frame["num_tokens"].sum()), "num_loss_tokens": int(frame["num_loss_tokens"].sum()),
-        "settings": settings.__dict__, "tokenizer_sha256": template_key}
+        "settings": settings.__dict__, "tokenizer_sha256": template_key, "identity": identity,
+        "samples_sha256": contract.sha256_file(out_dir / SAMPLES_FILE)}
     if report["rows_read"] != report["rows_written"] + report["rows_skipped"]:
         raise RuntimeError(f"prepare lost rows: {report}")
     contract.atomic_write_json(out_dir / REPORT_FILE, report)
