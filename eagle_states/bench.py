@@ -15,23 +15,21 @@ import statistics
 import time
 from pathlib import Path
 
+from eagle_states import contract
 from eagle_states.engine import EngineHolder
 from eagle_states.extract import Extraction, ExtractionSettings
 
 
 def disk_write_bandwidth(directory: Path, total_bytes: int = 2 << 30, block: int = 64 << 20) -> float:
-    """GB/s of a plain sequential write with fsync into `directory` (what bounds the capture's write speed)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / ".bench-disk-probe"
+    """GB/s of a sequential write + fsync into `directory`, written the way shards are (`contract.atomic_file`,
+    streamed to the disk as it goes) but with nothing else running: the bound on the capture's write speed."""
     data = os.urandom(block)
     started = time.perf_counter()
-    with open(path, "wb") as f:
+    with contract.atomic_file(directory / ".bench-disk-probe") as f:
         for _ in range(total_bytes // block):
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     elapsed = time.perf_counter() - started
-    path.unlink()
+    (directory / ".bench-disk-probe").unlink()
     return total_bytes / elapsed / 1e9
 
 
@@ -47,7 +45,8 @@ def _peak_gpu_bytes() -> int | None:
 def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: int, layer_ids="eagle3",
                   rounds: int = 3, dtype: str = "auto", max_num_batched_tokens: int = 8192,
                   max_num_seqs: int = 64, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                  shard_max_tokens: int = 65536, seed: int = 0, disk_probe_bytes: int = 2 << 30) -> dict:
+                  shard_max_tokens: int = 65536, write_threads: int = 2, seed: int = 0,
+                  disk_probe_bytes: int = 2 << 30) -> dict:
     import random
 
     from vllm import SamplingParams
@@ -55,7 +54,7 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = ExtractionSettings(model=Path(model), layer_ids=layer_ids, dtype=dtype,
-                                  shard_max_tokens=shard_max_tokens,
+                                  shard_max_tokens=shard_max_tokens, write_threads=write_threads,
                                   max_model_len=max_model_len or prompt_len + 16,
                                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                   gpu_memory_utilization=gpu_memory_utilization)
@@ -102,7 +101,8 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
         "layer_ids": extraction.layer_ids, "dtype": extraction.dtype, "hidden_size": extraction.model["hidden_size"],
         "bytes_per_token": 4 if extraction.dtype == "float32" else 2,
-        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs, "rounds": rounds_out,
+        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+        "shard_max_tokens": shard_max_tokens, "write_threads": write_threads, "rounds": rounds_out,
         "plain_tok_s_median": statistics.median(r["plain_tok_s"] for r in rounds_out),
         "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),
         "ratio_median": ratio, "write_gb_s_median": statistics.median(r["write_gb_s"] for r in rounds_out),
@@ -118,7 +118,8 @@ def format_result(result: dict) -> str:
     lines = [
         f"model {result['model']} ({result['dtype']}, hidden {result['hidden_size']}, layers {result['layer_ids']})",
         f"{result['prompts']} prompts x {result['prompt_len']} tokens per round, {len(result['rounds'])} rounds, "
-        f"max_num_batched_tokens {result['max_num_batched_tokens']}",
+        f"max_num_batched_tokens {result['max_num_batched_tokens']}, shards of {result['shard_max_tokens']:,} "
+        f"tokens, {result['write_threads']} writer threads",
         f"plain prefill   {result['plain_tok_s_median']:>12,.0f} tokens/s (median)",
         f"capture to disk {result['capture_tok_s_median']:>12,.0f} tokens/s (median)",
         f"ratio capture/plain {result['ratio_median']:.3f}",

@@ -99,7 +99,8 @@ def cmd_bench(args) -> int:
                            layer_ids=args.layer_ids, rounds=args.rounds, dtype=args.dtype,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization,
-                           shard_max_tokens=args.shard_max_tokens, disk_probe_bytes=int(args.disk_probe_gb * 2**30))
+                           shard_max_tokens=args.shard_max_tokens, write_threads=args.write_threads,
+                           disk_probe_bytes=int(args.disk_probe_gb * 2**30))
     print(format_result(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--shard-max-tokens", type=int, default=65536)
+    p.add_argument("--write-threads", type=int, default=2)
     p.add_argument("--disk-probe-gb", type=float, default=2.0)
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)

@@ -16,6 +16,7 @@ The manifest is written last: a directory without `manifest.json` is an unfinish
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -124,17 +125,72 @@ def parse_key(key: str) -> TensorKey | None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Atomic writes and hashing
+def _libc_sync_file_range():
+    """Linux's sync_file_range, or None where there is none (the final fsync alone then does the writing)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
+
+
+class StreamingFile:
+    """An unbuffered file that hands each 64 MiB it has written to the disk at once and waits for the 64 MiB
+    before it.
+
+    Without this the kernel starts writing only past its dirty-memory threshold (10% of RAM: 13 GB on a 128 GB
+    host), so the disk idles while a shard is produced and the closing fsync then waits for all of it: a shard
+    writer reached a third of the disk's speed that way. Streaming keeps the disk busy while the data is produced
+    and bounds dirty memory per file to 128 MiB. Durability still comes from the fsync in `atomic_file`.
+    """
+
+    WRITEBACK_BYTES = 64 << 20
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.written = 0
+        self.handed = 0  # bytes handed to the disk
+        self.previous: tuple[int, int] | None = None  # the range handed before the last one
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def write(self, data) -> None:
+        """Write all of `data` (bytes, memoryview or a contiguous numpy array)."""
+        data = memoryview(data).cast("B")
+        while data:
+            n = self.raw.write(data)
+            data = data[n:]
+            self.written += n
+            if self.written - self.handed >= self.WRITEBACK_BYTES:
+                self._hand_to_disk()
+
+    def _hand_to_disk(self):
+        if _SYNC_FILE_RANGE is not None:  # ctypes releases the GIL during the call
+            fd, span = self.raw.fileno(), (self.handed, self.written - self.handed)
+            _SYNC_FILE_RANGE(fd, *span, _SYNC_WRITE)
+            if self.previous is not None:
+                _SYNC_FILE_RANGE(fd, *self.previous, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER)
+            self.previous = span
+        self.handed = self.written
+
+
 @contextlib.contextmanager
-def atomic_file(path: Path):
-    """An unbuffered binary file at a temp name in the same directory; on success it is fsynced and renamed to
-    `path`, on failure removed: a crash never leaves a partial file under the final name."""
+def atomic_file(path: Path) -> Iterator[StreamingFile]:
+    """A `StreamingFile` at a temp name in the same directory; on success it is fsynced and renamed to `path`,
+    on failure removed: a crash never leaves a partial file under the final name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            yield f
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "wb", buffering=0) as raw:
+            yield StreamingFile(raw)
+            os.fsync(raw.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -142,15 +198,9 @@ def atomic_file(path: Path):
         raise
 
 
-def _write_all(f, data) -> None:
-    data = memoryview(data).cast("B")
-    while data:
-        data = data[f.write(data):]
-
-
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     with atomic_file(path) as f:
-        _write_all(f, data)
+        f.write(data)
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -171,10 +221,10 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 
 def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[str, int]:
     """Write a shard in the safetensors format, streaming each tensor's bytes straight from memory while hashing
-    them. A value may be a list of pieces, stored as their concatenation along dim 0 (never materialized) (no serialized copy of the shard, and the GIL is released during hashing and writing, so a writer
-    thread does not slow the thread that launches the model's kernels). Atomic: temp file, fsync, rename.
-    Keys are written in sorted order with one metadata entry, so the same samples give the same bytes.
-    Returns (sha256, size in bytes).
+    them. A value may be a list of pieces, stored as their concatenation along dim 0 without being concatenated
+    in memory. Hashing and writing release the GIL, so a writer thread does not slow the thread that launches the
+    model's kernels. Atomic: temp file, fsync, rename. Keys are written in sorted order with one metadata entry,
+    so the same samples give the same bytes. Returns (sha256, size in bytes).
     """
     names = sorted(tensors)
     header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
@@ -196,7 +246,7 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Te
             for piece in pieces[name]:
                 data = piece.contiguous().view(torch.uint8).numpy()
                 digest.update(data)
-                _write_all(f, data)
+                f.write(data)
     return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 

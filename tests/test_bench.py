@@ -1,0 +1,60 @@
+"""The benchmark command keeps working (its output's structure, never its speed), and the shard writer's
+streaming to disk writes exactly the bytes it is given."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from eagle_states import contract
+
+
+def test_bench_command_on_the_demo_model(llama_model, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "eagle_states", "bench", "--model", str(llama_model), "--out", str(out),
+           "--prompts", "6", "--prompt-len", "40", "--rounds", "2", "--dtype", "float32",
+           "--gpu-memory-utilization", "0.2", "--max-num-batched-tokens", "64", "--shard-max-tokens", "100",
+           "--disk-probe-gb", "0.01", "--json", str(tmp_path / "bench.json")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout
+    assert printed.count("round ") == 2
+    for line in ("plain prefill", "capture to disk", "ratio capture/plain", "GB/s written", "disk alone",
+                 "peak host RSS", "engine start"):
+        assert line in printed or line.replace(" GB/s", "") in printed, line
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["tokens_per_round"] == 6 * 40 and len(result["rounds"]) == 2
+    assert result["layer_ids"] == [2, 4, 5, 8] and result["bytes_per_token"] == 4 * 4 * 256  # fp32, 4 layers, H=256
+    for r in result["rounds"]:
+        assert r["ratio"] == pytest.approx(r["plain_s"] / r["capture_s"])
+        # 3 shards of 2 samples: every state written, plus ids, masks and headers
+        assert r["bytes_written"] > 240 * result["bytes_per_token"]
+    assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
+    assert not (out / "dataset").exists()  # each round's dataset is removed
+
+
+def test_streaming_file_writes_every_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(contract.StreamingFile, "WRITEBACK_BYTES", 4096)  # hand ranges to the disk often
+    pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536, 3)]
+    pieces.append(torch.arange(5000, dtype=torch.int32).view(torch.uint8).numpy())
+    with contract.atomic_file(tmp_path / "f.bin") as f:
+        for piece in pieces:
+            f.write(piece)
+        assert f.handed > 0 and f.previous is not None
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+    data = (tmp_path / "f.bin").read_bytes()
+    assert hashlib.sha256(data).digest() == hashlib.sha256(expected).digest()
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temp file left
+
+
+def test_a_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with contract.atomic_file(tmp_path / "f.bin") as f:
+            f.write(b"x" * 100)
+            raise RuntimeError("writer died")
+    assert list(tmp_path.iterdir()) == []
