@@ -2,7 +2,8 @@
 process on one engine, so both see the same model, settings, prompts and machine state.
 
 Plain prefill is `llm.generate(..., max_tokens=1)` without sample ids: the capture hooks stay idle, which is
-what vLLM does without this project. Capture is `Extraction.run` into a fresh directory each round.
+what vLLM does without this project. Capture is `Extraction.run` into a fresh directory each round. Rounds
+alternate which of the two runs first.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _peak_gpu_bytes() -> int | None:
 def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: int, layer_ids="eagle3",
                   rounds: int = 3, dtype: str = "auto", max_num_batched_tokens: int = 8192,
                   max_num_seqs: int = 64, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                  shard_max_tokens: int = 65536, write_threads: int = 2, seed: int = 0,
+                  shard_max_tokens: int = 32768, write_threads: int = 4, seed: int = 0,
                   disk_probe_bytes: int = 2 << 30) -> dict:
     import random
 
@@ -74,25 +75,44 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
     requests = [{"prompt_token_ids": p} for p in prompts]
     # Warm both paths once (allocator, pinned host buffers, page cache) before anything is timed.
     engine.llm.generate(requests[: max(1, num_prompts // 8)], plain_params, use_tqdm=False)
+    target = out_dir / "dataset"
+
+    def plain() -> dict:
+        t0 = time.monotonic()
+        engine.llm.generate(requests, plain_params, use_tqdm=False)
+        return {"plain_s": time.monotonic() - t0}
+
+    def capture() -> dict:
+        shutil.rmtree(target, ignore_errors=True)
+        stalled_before = engine.capture_stats()["pinned_wait_s"]
+        t0 = time.monotonic()
+        extraction_round = Extraction(settings, source, target)  # reads and hashes the input, plans shards
+        setup_s = time.monotonic() - t0
+        manifest = extraction_round.run(holder)
+        ended = time.monotonic()
+        stats = engine.capture_stats()
+        shutil.rmtree(target, ignore_errors=True)
+        # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
+        # (back-pressure from writing), and the time after the last captured step (writes draining, manifest)
+        return {"capture_s": ended - t0, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
+                "setup_s": setup_s, "forward_stalled_s": stats["pinned_wait_s"] - stalled_before,
+                "drain_s": ended - stats["last_hand_off"]}
+
     rounds_out = []
     try:
         for r in range(rounds):
-            t0 = time.perf_counter()
-            engine.llm.generate(requests, plain_params, use_tqdm=False)
-            plain_s = time.perf_counter() - t0
-            target = out_dir / "dataset"
-            shutil.rmtree(target, ignore_errors=True)
-            t0 = time.perf_counter()
-            manifest = Extraction(settings, source, target).run(holder)
-            capture_s = time.perf_counter() - t0
-            written = sum(s["bytes"] for s in manifest["shards"])
-            rounds_out.append({"round": r, "plain_s": plain_s, "capture_s": capture_s,
-                               "plain_tok_s": tokens / plain_s, "capture_tok_s": tokens / capture_s,
-                               "ratio": plain_s / capture_s, "bytes_written": written,
-                               "write_gb_s": written / capture_s / 1e9})
-            print(f"round {r}: plain {tokens / plain_s:,.0f} tok/s | capture {tokens / capture_s:,.0f} tok/s | "
-                  f"ratio {plain_s / capture_s:.3f} | {written / capture_s / 1e9:.2f} GB/s written", flush=True)
-            shutil.rmtree(target, ignore_errors=True)
+            # alternate which goes first (ABBA), so a drift of the machine's speed does not favour either
+            order = (plain, capture) if r % 2 == 0 else (capture, plain)
+            row = {"round": r, "first": order[0].__name__}
+            for measure in order:
+                row.update(measure())
+            row.update(plain_tok_s=tokens / row["plain_s"], capture_tok_s=tokens / row["capture_s"],
+                       ratio=row["plain_s"] / row["capture_s"], write_gb_s=row["bytes_written"] / row["capture_s"] / 1e9)
+            rounds_out.append(row)
+            print(f"round {r} ({row['first']} first): plain {row['plain_tok_s']:,.0f} tok/s | capture "
+                  f"{row['capture_tok_s']:,.0f} tok/s | ratio {row['ratio']:.3f} | {row['write_gb_s']:.2f} GB/s "
+                  f"written | input {row['setup_s']:.1f} s, forward stalled {row['forward_stalled_s']:.1f} s, "
+                  f"after the last forward {row['drain_s']:.1f} s", flush=True)
     finally:
         holder.close()
     disk = disk_write_bandwidth(out_dir, disk_probe_bytes)
@@ -106,6 +126,8 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         "plain_tok_s_median": statistics.median(r["plain_tok_s"] for r in rounds_out),
         "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),
         "ratio_median": ratio, "write_gb_s_median": statistics.median(r["write_gb_s"] for r in rounds_out),
+        **{f"{k}_median": statistics.median(r[k] for r in rounds_out)
+           for k in ("setup_s", "forward_stalled_s", "drain_s")},
         "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
@@ -123,6 +145,9 @@ def format_result(result: dict) -> str:
         f"plain prefill   {result['plain_tok_s_median']:>12,.0f} tokens/s (median)",
         f"capture to disk {result['capture_tok_s_median']:>12,.0f} tokens/s (median)",
         f"ratio capture/plain {result['ratio_median']:.3f}",
+        f"capture's extra time (median): input read and planned {result['setup_s_median']:.2f} s, forward stalled "
+        f"on host buffers {result['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
+        f"index, manifest) {result['drain_s_median']:.2f} s",
         f"written {result['write_gb_s_median']:.2f} GB/s ({result['bytes_per_token']:,} bytes/token); "
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s",
         f"peak host RSS {result['peak_host_rss_gb']:.1f} GB"

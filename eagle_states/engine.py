@@ -32,7 +32,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     seed: int = 0
-    write_threads: int = 2
+    write_threads: int = 4
     extra_engine_args: dict = field(default_factory=dict, hash=False)
 
 
@@ -173,6 +173,11 @@ class CaptureEngine:
                                        f"(tokens, ids crc) = {seen}, the prompt is {expected}")
             yield ShardResult(job.name, report["sha256"], report["bytes"],
                               {s.sample_id: len(s.input_ids) for s in job.samples})
+
+    def capture_stats(self) -> dict:
+        """The writer rank's counters: steps, rows, decode rows dropped, seconds the forward pass waited for host
+        buffers (back-pressure from writing), and the monotonic time of the last captured step."""
+        return self._rpc("eagle_stats")
 
     def reset(self, request_ids: list[str] = ()):
         """After a failure: abort our requests and drop half-captured samples, keeping the model loaded."""

@@ -150,13 +150,13 @@ class ExtractionSettings:
     model: Path
     layer_ids: object = "eagle3"  # 'eagle3', a list, or '2,4,6'
     dtype: str = "auto"
-    shard_max_tokens: int = 65536
+    shard_max_tokens: int = 32768
     max_model_len: int = 4096
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
-    write_threads: int = 2
+    write_threads: int = 4
 
 
 def _resolved_dtype(model_dir: Path, dtype: str) -> str:

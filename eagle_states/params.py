@@ -40,7 +40,7 @@ class ExtractParams(_Section):
     input: Optional[str] = Field(None, description="prepared directory or JSONL of token ids; default: prepare.out")
     layer_ids: Union[Literal["eagle3"], list[int]] = Field("eagle3", description="'eagle3' = [2, N//2, N-3, N]")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    shard_max_tokens: int = Field(65536, gt=0)
+    shard_max_tokens: int = Field(32768, gt=0)
     max_model_len: int = Field(4096, gt=1)
     max_num_batched_tokens: int = Field(8192, gt=0)
     max_num_seqs: int = Field(64, gt=0)
@@ -48,7 +48,7 @@ class ExtractParams(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1, description="engines, each on its own GPU group (CLI extract)")
     gpu_ids: Optional[list[int]] = Field(None, description="GPUs to use, tensor_parallel_size per engine")
-    write_threads: int = Field(2, ge=1)
+    write_threads: int = Field(4, ge=1, description="shard writer threads (4 kept the H200 disk busiest)")
 
     @field_validator("layer_ids", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,7 +119,9 @@ class _Capture:
         self.partial: dict[str, dict] = {}  # sample id -> chunks being assembled
         self.complete: dict[str, dict] = {}  # sample id -> finished sample, waiting for its shard marker
         self.finished: dict[str, dict] = {}  # shard path -> {"samples": summary, "future": write or None}
-        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0}
+        # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
+        # captured step (so a caller can tell the time spent draining writes after the last forward pass)
+        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
         self.failure: BaseException | None = None
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
@@ -212,6 +215,7 @@ class _Capture:
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
         self.stats["steps"] += 1
+        self.stats["last_hand_off"] = time.monotonic()
         self.work.put(("step", event, requests, positions, input_ids, states, block))
 
     def _take_pinned(self, like: torch.Tensor) -> _PinnedBlock:
@@ -226,7 +230,9 @@ class _Capture:
                 self.pinned_allocated += 1
                 block = _PinnedBlock(torch.empty(max(capacity, like.numel()), dtype=like.dtype, pin_memory=True))
             else:
+                waited = time.monotonic()
                 block = self.pinned_free.get()
+                self.stats["pinned_wait_s"] += time.monotonic() - waited
         block.refs = 1  # the step's own reference, dropped when the assembler is done with it
         return block
 
@@ -379,7 +385,7 @@ class CaptureWorkerExtension:
         cap: _Capture = self._eagle_capture
         return {"rank": cap.rank, "world_size": cap.world_size, "writer": cap.writer, "payload": payload}
 
-    def eagle_setup(self, layer_ids: list[int], write_threads: int = 2) -> dict:
+    def eagle_setup(self, layer_ids: list[int], write_threads: int) -> dict:
         from vllm.distributed import parallel_state
 
         if getattr(self, "_eagle_capture", None) is not None:
@@ -402,6 +408,9 @@ class CaptureWorkerExtension:
 
     def eagle_poll(self, wait: bool = False) -> dict:
         return self._eagle_reply(self._eagle_capture.poll(wait))
+
+    def eagle_stats(self) -> dict:
+        return self._eagle_reply(dict(self._eagle_capture.stats))
 
     def eagle_discard(self) -> dict:
         return self._eagle_reply(self._eagle_capture.discard())

@@ -25,15 +25,18 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     printed = done.stdout
     assert printed.count("round ") == 2
     for line in ("plain prefill", "capture to disk", "ratio capture/plain", "GB/s written", "disk alone",
-                 "peak host RSS", "engine start"):
+                 "forward stalled", "after the last forward", "peak host RSS", "engine start"):
         assert line in printed or line.replace(" GB/s", "") in printed, line
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["tokens_per_round"] == 6 * 40 and len(result["rounds"]) == 2
+    assert [r["first"] for r in result["rounds"]] == ["plain", "capture"]  # ABBA order
     assert result["layer_ids"] == [2, 4, 5, 8] and result["bytes_per_token"] == 4 * 4 * 256  # fp32, 4 layers, H=256
     for r in result["rounds"]:
         assert r["ratio"] == pytest.approx(r["plain_s"] / r["capture_s"])
         # 3 shards of 2 samples: every state written, plus ids, masks and headers
         assert r["bytes_written"] > 240 * result["bytes_per_token"]
+        assert 0 <= r["setup_s"] < r["capture_s"] and 0 <= r["drain_s"] < r["capture_s"]
+        assert r["forward_stalled_s"] == 0  # no pinned host buffers on the CPU build
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert not (out / "dataset").exists()  # each round's dataset is removed
 
