@@ -11,7 +11,7 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -115,7 +115,7 @@ class CaptureEngine:
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
                               extra_args={SAMPLE_ID_KEY: sample_id})
 
-    def extract(self, jobs: list[ShardJob]) -> Iterator[ShardResult]:
+    def extract(self, jobs: Iterable[ShardJob]) -> Iterator[ShardResult]:
         """Capture every job's samples; yields each shard once its file is on disk.
 
         One shard's requests are in the engine at a time, so a shard's batches depend on its own samples only and

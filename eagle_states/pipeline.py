@@ -111,17 +111,59 @@ class ShardOutcome:
     computed: bool  # False when the shard was already on disk
 
 
-def extract_shard(extraction: Extraction, engines: EngineHolder, shard_name: str) -> ShardOutcome:
-    """Make sure one shard is on disk; loads the model (through `engines`) only if the shard is missing."""
-    shard = next(s for s in extraction.shards if s.name == shard_name)
-    receipt = extraction.receipt(shard)
-    computed = receipt is None
-    if computed:
-        extraction.begin()
-        for result in engines(extraction.engine_settings()).extract([extraction.job(shard)]):
-            receipt = extraction.record(shard, result)
-    return ShardOutcome(shard.name, receipt["sha256"], receipt["bytes"], len(receipt["samples"]),
-                        sum(s["num_tokens"] for s in receipt["samples"]), computed)
+class ShardStream:
+    """Shards one at a time for callers that ask for them in order (a Prefect task per shard), computed as one
+    pass of the engine over the unfinished shards, so each shard's file is written while the next shard's
+    forward passes run, as in `Extraction.run`. Asking for shard i computes as far as needed for shard i to be on
+    disk (usually shard i+1 too); whatever else finishes meanwhile gets its receipt at once.
+
+    The model is loaded (through `engines`) only if an asked-for shard is missing. After a failure the pass is
+    dropped; the next call starts a new one over the shards still unfinished.
+    """
+
+    def __init__(self, extraction: Extraction, engines: EngineHolder):
+        self.extraction = extraction
+        self.engines = engines
+        self.computed: set[str] = set()  # shards this object wrote
+        self._pass = None  # the engine's result generator, suspended between calls
+
+    def ensure(self, shard_name: str) -> ShardOutcome:
+        extraction = self.extraction
+        shard = next(s for s in extraction.shards if s.name == shard_name)
+        receipt = extraction.receipt(shard)
+        if receipt is None:
+            if self._pass is None:
+                extraction.begin()
+                todo = {s.name: s for s in extraction.unfinished()}
+                self._pass = (self.engines(extraction.engine_settings())
+                              .extract([extraction.job(s) for s in todo.values()]), todo)
+            results, todo = self._pass
+            try:
+                for result in results:
+                    extraction.record(todo[result.name], result)
+                    self.computed.add(result.name)
+                    if result.name == shard_name:
+                        break
+                if self.computed >= todo.keys():  # every shard of the pass is on disk: let it end
+                    self._pass = None
+                    for _ in results:
+                        pass
+            except BaseException:
+                self._pass = None  # the next call starts a new pass over what is still unfinished
+                results.close()  # no-op when the engine's pass failed (it reset itself)
+                raise
+            receipt = extraction.receipt(shard)
+            if receipt is None:
+                self._pass = None
+                raise RuntimeError(f"shard {shard_name}: the engine pass ended without writing it")
+        return ShardOutcome(shard.name, receipt["sha256"], receipt["bytes"], len(receipt["samples"]),
+                            sum(s["num_tokens"] for s in receipt["samples"]), shard_name in self.computed)
+
+    def close(self) -> None:
+        """Abandon an unfinished pass while the engine still runs: its requests are aborted, its writes waited for."""
+        if self._pass is not None:
+            results, self._pass = self._pass[0], None
+            results.close()
 
 
 class RestartingEngines(EngineHolder):

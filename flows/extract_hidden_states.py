@@ -45,7 +45,8 @@ def extract_hidden_states(params: PipelineParams | None = None, params_file: str
 
 
 def run_shards(session) -> list:
-    """One task per shard, in order; a shard whose output is missing or altered refreshes its cache entry."""
+    """One task per shard, in order; a shard whose output is missing or altered refreshes its cache entry. The
+    shards are computed as one engine pass (`ShardStream`), so a shard's file is written while the next runs."""
     from tqdm import tqdm
 
     storage = results_storage(session.results_dir)
@@ -53,7 +54,9 @@ def run_shards(session) -> list:
     progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
     outcomes = []
     for name in tqdm(names, desc="extract", unit="shard"):
-        task = extract_shard_task.with_options(refresh_cache=not session.intact(name), result_storage=storage)
+        # run the task (not its cached result) when the file is missing or this run has just written it
+        refresh = not session.intact(name) or name in session.stream.computed
+        task = extract_shard_task.with_options(refresh_cache=refresh, result_storage=storage)
         state = task(session.key, name, session.cache_key(name), return_state=True)
         outcome = state.result()
         # a cache hit returns the stored outcome of the run that computed it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from eagle_states.pipeline import ShardOutcome, extract_shard
+from eagle_states.pipeline import ShardOutcome
 from tasks.retry import transient_only
 from tasks.session import get_session
 
@@ -18,7 +18,7 @@ def _cache_key(context, parameters) -> str:
 def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> ShardOutcome:
     session = get_session(session_key)
     try:
-        return extract_shard(session.extraction, session.engines, shard_name)
+        return session.stream.ensure(shard_name)
     except Exception as exc:
         session.engines.restart_if_dead(exc)  # a dead engine is replaced before the retry
         raise

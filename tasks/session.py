@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from eagle_states.engine import CaptureEngine
 from eagle_states.extract import Extraction
 from eagle_states.params import PipelineParams
-from eagle_states.pipeline import RestartingEngines, open_extraction, shard_cache_key
+from eagle_states.pipeline import RestartingEngines, ShardStream, open_extraction, shard_cache_key
 
 GPU_CONCURRENCY_LIMIT = "gpu-engine"
 ENGINE_FACTORY = CaptureEngine  # the engine class; tests substitute a subclass that injects a fault
@@ -26,6 +26,7 @@ class Session:
     key: str
     extraction: Extraction
     engines: RestartingEngines
+    stream: ShardStream
     results_dir: str
     guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
@@ -52,7 +53,8 @@ def _guarded_factory(guard: contextlib.ExitStack):
 @contextlib.contextmanager
 def extraction_session(params: PipelineParams):
     guard = contextlib.ExitStack()
-    session = Session(uuid.uuid4().hex, open_extraction(params), RestartingEngines(_guarded_factory(guard)),
+    extraction, engines = open_extraction(params), RestartingEngines(_guarded_factory(guard))
+    session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines),
                       params.output.prefect_results, guard)
     _SESSIONS[session.key] = session
     try:
@@ -60,6 +62,7 @@ def extraction_session(params: PipelineParams):
     finally:
         _SESSIONS.pop(session.key, None)
         try:
+            session.stream.close()
             session.engines.close()
         finally:
             guard.close()

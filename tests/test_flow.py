@@ -34,12 +34,17 @@ def pipeline_params(tmp_path, llama_model, **validate) -> PipelineParams:
 class FailsOnceOnThirdShard(CaptureEngine):
     """The real engine, with one injected transient failure on shard-00002."""
     failures = 0
+    passes = 0
 
     def extract(self, jobs, **kwargs):
-        if jobs[0].name == "shard-00002" and FailsOnceOnThirdShard.failures == 0:
-            FailsOnceOnThirdShard.failures += 1
-            raise ConnectionError("injected: lost the engine for a moment")
-        yield from super().extract(jobs, **kwargs)
+        FailsOnceOnThirdShard.passes += 1
+        def jobs_failing_once():  # the engine's pass runs over several shards: fail when it reaches this one
+            for job in jobs:
+                if job.name == "shard-00002" and FailsOnceOnThirdShard.failures == 0:
+                    FailsOnceOnThirdShard.failures += 1
+                    raise ConnectionError("injected: lost the engine for a moment")
+                yield job
+        yield from super().extract(jobs_failing_once(), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +66,8 @@ def test_third_of_five_shards_fails_once_and_the_engine_is_created_once(first_ru
     assert len(manifest["shards"]) == 5
     assert FailsOnceOnThirdShard.failures == 1
     assert engines_created == 1
+    # one engine pass over the shards (writes overlap the next shard), and one more after the failure
+    assert FailsOnceOnThirdShard.passes == 2
     assert result["computed"] == 5 and result["cache_hits"] == 0
     assert result["validation"]["valid"]
 
@@ -116,10 +123,13 @@ class DiesOnSecondShard(CaptureEngine):
     killed = 0
 
     def extract(self, jobs, **kwargs):
-        if jobs[0].name == "shard-00001" and DiesOnSecondShard.killed == 0:
-            DiesOnSecondShard.killed += 1
-            self.llm.llm_engine.engine_core.shutdown()
-        yield from super().extract(jobs, **kwargs)
+        def jobs_killing_once():
+            for job in jobs:
+                if job.name == "shard-00001" and DiesOnSecondShard.killed == 0:
+                    DiesOnSecondShard.killed += 1
+                    self.llm.llm_engine.engine_core.shutdown()
+                yield job
+        yield from super().extract(jobs_killing_once(), **kwargs)
 
 
 def test_a_dead_engine_is_restarted_once_and_the_shard_retried(tmp_path, llama_model):
