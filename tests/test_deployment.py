@@ -4,6 +4,7 @@ deployments from prefect.yaml, and `prefect deployment run 'extract-hidden-state
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -74,8 +75,7 @@ def test_demo_deployment_runs_through_a_worker(tmp_path, server):
     try:
         prefect("deployment", "run", "extract-hidden-states/demo", "--watch", timeout=600)
     finally:
-        os.killpg(worker.pid, 15)
-        worker.wait(timeout=60)
+        stop_worker(worker)
 
     manifest = json.loads((workspace / "work" / "dataset" / "manifest.json").read_text())
     assert manifest["num_samples"] == 12 and manifest["layer_ids"] == [2, 4, 5, 8]
@@ -91,3 +91,14 @@ def test_demo_deployment_runs_through_a_worker(tmp_path, server):
     deployments = {d["name"]: d for d in httpx.post(f"{api}/deployments/filter", json={}).json()}
     assert deployments["nightly"]["schedules"][0]["active"] is False
     assert deployments["nightly"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL: a Prefect 3.7 process worker sometimes ignores the signal it forwards to itself
+    (seen once here, after its flow run had exited cleanly); its shutdown is not what this tests."""
+    os.killpg(worker.pid, signal.SIGTERM)
+    try:
+        worker.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
