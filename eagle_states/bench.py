@@ -77,26 +77,35 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
     engine.llm.generate(requests[: max(1, num_prompts // 8)], plain_params, use_tqdm=False)
     target = out_dir / "dataset"
 
+    def steps(mode: str, before: dict, after: dict) -> dict:
+        """Forward passes in a run and the engine's time between them (scheduling, waiting for the GPU to finish a
+        step, and in capture mode the shard boundaries, where one shard's requests end before the next's start)."""
+        return {f"{mode}_forwards": after["forwards"] - before["forwards"],
+                f"{mode}_between_forwards_s": after["between_forwards_s"] - before["between_forwards_s"]}
+
     def plain() -> dict:
+        before = engine.capture_stats()
         t0 = time.monotonic()
         engine.llm.generate(requests, plain_params, use_tqdm=False)
-        return {"plain_s": time.monotonic() - t0}
+        plain_s = time.monotonic() - t0
+        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats())}
 
     def capture() -> dict:
         shutil.rmtree(target, ignore_errors=True)
-        stalled_before = engine.capture_stats()["pinned_wait_s"]
+        before = engine.capture_stats()
         t0 = time.monotonic()
         extraction_round = Extraction(settings, source, target)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
         manifest = extraction_round.run(holder)
         ended = time.monotonic()
-        stats = engine.capture_stats()
+        after = engine.capture_stats()
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
-        # (back-pressure from writing), and the time after the last captured step (writes draining, manifest)
+        # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
+        # the engine's time between forward passes (compared with plain prefill's)
         return {"capture_s": ended - t0, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
-                "setup_s": setup_s, "forward_stalled_s": stats["pinned_wait_s"] - stalled_before,
-                "drain_s": ended - stats["last_hand_off"]}
+                "setup_s": setup_s, "forward_stalled_s": after["pinned_wait_s"] - before["pinned_wait_s"],
+                "drain_s": ended - after["last_hand_off"], **steps("capture", before, after)}
 
     rounds_out = []
     try:
@@ -112,7 +121,9 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
             print(f"round {r} ({row['first']} first): plain {row['plain_tok_s']:,.0f} tok/s | capture "
                   f"{row['capture_tok_s']:,.0f} tok/s | ratio {row['ratio']:.3f} | {row['write_gb_s']:.2f} GB/s "
                   f"written | input {row['setup_s']:.1f} s, forward stalled {row['forward_stalled_s']:.1f} s, "
-                  f"after the last forward {row['drain_s']:.1f} s", flush=True)
+                  f"after the last forward {row['drain_s']:.1f} s | steps {row['plain_forwards']} / "
+                  f"{row['capture_forwards']}, between them {row['plain_between_forwards_s']:.1f} s / "
+                  f"{row['capture_between_forwards_s']:.1f} s (plain / capture)", flush=True)
     finally:
         holder.close()
     disk = disk_write_bandwidth(out_dir, disk_probe_bytes)
@@ -127,7 +138,8 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),
         "ratio_median": ratio, "write_gb_s_median": statistics.median(r["write_gb_s"] for r in rounds_out),
         **{f"{k}_median": statistics.median(r[k] for r in rounds_out)
-           for k in ("setup_s", "forward_stalled_s", "drain_s")},
+           for k in ("setup_s", "forward_stalled_s", "drain_s", "plain_between_forwards_s",
+                     "capture_between_forwards_s")},
         "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
@@ -147,7 +159,9 @@ def format_result(result: dict) -> str:
         f"ratio capture/plain {result['ratio_median']:.3f}",
         f"capture's extra time (median): input read and planned {result['setup_s_median']:.2f} s, forward stalled "
         f"on host buffers {result['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
-        f"index, manifest) {result['drain_s_median']:.2f} s",
+        f"index, manifest) {result['drain_s_median']:.2f} s; the engine's time between forward passes "
+        f"{result['plain_between_forwards_s_median']:.2f} s plain, {result['capture_between_forwards_s_median']:.2f} s "
+        "capture",
         f"written {result['write_gb_s_median']:.2f} GB/s ({result['bytes_per_token']:,} bytes/token); "
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s",
         f"peak host RSS {result['peak_host_rss_gb']:.1f} GB"

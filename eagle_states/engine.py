@@ -175,8 +175,9 @@ class CaptureEngine:
                               {s.sample_id: len(s.input_ids) for s in job.samples})
 
     def capture_stats(self) -> dict:
-        """The writer rank's counters: steps, rows, decode rows dropped, seconds the forward pass waited for host
-        buffers (back-pressure from writing), and the monotonic time of the last captured step."""
+        """The writer rank's counters: captured steps, rows, decode rows dropped, seconds the forward pass waited
+        for host buffers (back-pressure from writing), the monotonic time of the last captured step, and all
+        forward passes with the engine's time between them (counted afresh after each call)."""
         return self._rpc("eagle_stats")
 
     def reset(self, request_ids: list[str] = ()):

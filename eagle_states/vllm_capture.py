@@ -120,8 +120,12 @@ class _Capture:
         self.complete: dict[str, dict] = {}  # sample id -> finished sample, waiting for its shard marker
         self.finished: dict[str, dict] = {}  # shard path -> {"samples": summary, "future": write or None}
         # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
-        # captured step (so a caller can tell the time spent draining writes after the last forward pass)
-        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
+        # captured step (so a caller can tell the time spent draining writes after the last forward pass);
+        # forwards / between_forwards_s: every real step, captured or not, and the time from the end of one to
+        # the start of the next (counted from the first step after each `eagle_stats` call)
+        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0,
+                      "forwards": 0, "between_forwards_s": 0.0}
+        self.previous_forward_end: float | None = None
         self.failure: BaseException | None = None
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
@@ -155,17 +159,24 @@ class _Capture:
         original = runner._model_forward
 
         def model_forward(*args, **kwargs):
-            requests = self._step_requests()
-            if not requests:
-                return original(*args, **kwargs)
-            self.slots.clear()
-            self.active = self.writer
+            started = time.monotonic()
+            if self.previous_forward_end is not None:  # the engine's time outside the model, captured or not
+                self.stats["between_forwards_s"] += started - self.previous_forward_end
+            self.stats["forwards"] += 1
             try:
-                output = original(*args, **kwargs)
+                requests = self._step_requests()
+                if not requests:
+                    return original(*args, **kwargs)
+                self.slots.clear()
+                self.active = self.writer
+                try:
+                    output = original(*args, **kwargs)
+                finally:
+                    self.active = False
+                self._hand_off(requests, kwargs.get("positions"), kwargs.get("input_ids"))
+                return output
             finally:
-                self.active = False
-            self._hand_off(requests, kwargs.get("positions"), kwargs.get("input_ids"))
-            return output
+                self.previous_forward_end = time.monotonic()
         runner._model_forward = model_forward
 
     def _step_requests(self) -> list[tuple[str, int, int, int]]:
@@ -410,7 +421,11 @@ class CaptureWorkerExtension:
         return self._eagle_reply(self._eagle_capture.poll(wait))
 
     def eagle_stats(self) -> dict:
-        return self._eagle_reply(dict(self._eagle_capture.stats))
+        """The counters; the time between forward passes is counted afresh from the next one (a caller reads the
+        stats before and after what it measures, and the idle time before it is not counted)."""
+        cap: _Capture = self._eagle_capture
+        cap.previous_forward_end = None
+        return self._eagle_reply(dict(cap.stats))
 
     def eagle_discard(self) -> dict:
         return self._eagle_reply(self._eagle_capture.discard())

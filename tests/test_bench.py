@@ -25,7 +25,8 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     printed = done.stdout
     assert printed.count("round ") == 2
     for line in ("plain prefill", "capture to disk", "ratio capture/plain", "GB/s written", "disk alone",
-                 "forward stalled", "after the last forward", "peak host RSS", "engine start"):
+                 "forward stalled", "after the last forward", "between forward passes", "peak host RSS",
+                 "engine start"):
         assert line in printed or line.replace(" GB/s", "") in printed, line
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["tokens_per_round"] == 6 * 40 and len(result["rounds"]) == 2
@@ -37,6 +38,11 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
         assert r["bytes_written"] > 240 * result["bytes_per_token"]
         assert 0 <= r["setup_s"] < r["capture_s"] and 0 <= r["drain_s"] < r["capture_s"]
         assert r["forward_stalled_s"] == 0  # no pinned host buffers on the CPU build
+        # 240 tokens in steps of at most 64: plain packs them into 4 steps; capture runs 3 shards of 2 samples
+        # (80 tokens each: 2 steps per shard)
+        assert r["plain_forwards"] == 4 and r["capture_forwards"] == 6
+        assert 0 <= r["plain_between_forwards_s"] < r["plain_s"]
+        assert 0 <= r["capture_between_forwards_s"] < r["capture_s"]
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert not (out / "dataset").exists()  # each round's dataset is removed
 
