@@ -24,7 +24,7 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     printed = done.stdout
     assert printed.count("round ") == 2
-    for line in ("plain prefill", "capture to disk", "ratio capture/plain", "GB/s written", "disk alone",
+    for line in ("plain prefill", "capture to disk", "ratio capture/plain", "up to the last forward pass", "GB/s written", "disk alone",
                  "forward stalled", "after the last forward", "between forward passes", "peak host RSS",
                  "engine start"):
         assert line in printed or line.replace(" GB/s", "") in printed, line
@@ -34,6 +34,7 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     assert result["layer_ids"] == [2, 4, 5, 8] and result["bytes_per_token"] == 4 * 4 * 256  # fp32, 4 layers, H=256
     for r in result["rounds"]:
         assert r["ratio"] == pytest.approx(r["plain_s"] / r["capture_s"])
+        assert r["ratio_to_last_forward"] == pytest.approx(r["plain_s"] / (r["capture_s"] - r["drain_s"]))
         # 3 shards of 2 samples: every state written, plus ids, masks and headers
         assert r["bytes_written"] > 240 * result["bytes_per_token"]
         assert 0 <= r["setup_s"] < r["capture_s"] and 0 <= r["drain_s"] < r["capture_s"]
