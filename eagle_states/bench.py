@@ -24,13 +24,13 @@ from eagle_states.extract import Extraction, ExtractionSettings
 def disk_write_bandwidth(directory: Path, total_bytes: int = 2 << 30, block: int = 64 << 20) -> float:
     """GB/s of a sequential write + fsync into `directory`, written the way shards are (`contract.atomic_file`,
     streamed to the disk as it goes) but with nothing else running: the bound on the capture's write speed."""
-    data = os.urandom(block)
+    probe, data = directory / ".bench-disk-probe", os.urandom(block)
     started = time.perf_counter()
-    with contract.atomic_file(directory / ".bench-disk-probe") as f:
+    with contract.atomic_file(probe) as f:
         for _ in range(total_bytes // block):
             f.write(data)
     elapsed = time.perf_counter() - started
-    (directory / ".bench-disk-probe").unlink()
+    probe.unlink()
     return total_bytes / elapsed / 1e9
 
 

@@ -157,9 +157,6 @@ class StreamingFile:
         self.handed = 0  # bytes handed to the disk
         self.previous: tuple[int, int] | None = None  # the range handed before the last one
 
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
     def write(self, data) -> None:
         """Write all of `data` (bytes, memoryview or a contiguous numpy array)."""
         data = memoryview(data).cast("B")

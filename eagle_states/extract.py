@@ -210,6 +210,9 @@ class Extraction:
         self._intact[shard.name] = receipt
         return receipt
 
+    def planned(self, shard_name: str) -> PlannedShard:
+        return next(s for s in self.shards if s.name == shard_name)
+
     def job(self, shard: PlannedShard) -> ShardJob:
         return ShardJob(shard.name, contract.shard_path(self.out, shard.name), shard.samples)
 

@@ -134,7 +134,7 @@ class ShardStream:
 
     def ensure(self, shard_name: str) -> ShardOutcome:
         extraction = self.extraction
-        shard = next(s for s in extraction.shards if s.name == shard_name)
+        shard = extraction.planned(shard_name)
         if extraction.receipt(shard) is None:
             try:
                 self._advance_pass_to(shard_name)

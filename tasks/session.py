@@ -35,10 +35,10 @@ class Session:
         return [s.name for s in self.extraction.shards]
 
     def cache_key(self, shard_name: str) -> str:
-        return shard_cache_key(self.extraction, next(s for s in self.extraction.shards if s.name == shard_name))
+        return shard_cache_key(self.extraction, self.extraction.planned(shard_name))
 
     def intact(self, shard_name: str) -> bool:
-        return self.extraction.receipt(next(s for s in self.extraction.shards if s.name == shard_name)) is not None
+        return self.extraction.receipt(self.extraction.planned(shard_name)) is not None
 
 
 def _guarded_factory(guard: contextlib.ExitStack):

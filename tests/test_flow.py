@@ -51,13 +51,19 @@ class FailsOnceOnThirdShard(CaptureEngine):
 def first_run(tmp_path_factory, llama_model):
     tmp = tmp_path_factory.mktemp("flow")
     params = pipeline_params(tmp, llama_model)
-    tasks.session.ENGINE_FACTORY = FailsOnceOnThirdShard
+    result, engines_created = run_flow_with(FailsOnceOnThirdShard, params)
+    return tmp, params, result, engines_created
+
+
+def run_flow_with(engine_class, params) -> tuple[dict, int]:
+    """The flow with `engine_class` as its engine; returns its result and how many engines it created."""
+    tasks.session.ENGINE_FACTORY = engine_class
     before = CaptureEngine.instances_created
     try:
         result = extract_hidden_states(params=params)
     finally:
         tasks.session.ENGINE_FACTORY = CaptureEngine
-    return tmp, params, result, CaptureEngine.instances_created - before
+    return result, CaptureEngine.instances_created - before
 
 
 def test_third_of_five_shards_fails_once_and_the_engine_is_created_once(first_run):
@@ -134,13 +140,7 @@ class DiesOnSecondShard(CaptureEngine):
 
 
 def test_a_dead_engine_is_restarted_once_and_the_shard_retried(tmp_path, llama_model):
-    params = pipeline_params(tmp_path, llama_model)
-    tasks.session.ENGINE_FACTORY = DiesOnSecondShard
-    before = CaptureEngine.instances_created
-    try:
-        result = extract_hidden_states(params=params)
-    finally:
-        tasks.session.ENGINE_FACTORY = CaptureEngine
+    result, engines_created = run_flow_with(DiesOnSecondShard, pipeline_params(tmp_path, llama_model))
     assert DiesOnSecondShard.killed == 1
-    assert CaptureEngine.instances_created - before == 2  # the first engine, and one restart
+    assert engines_created == 2  # the first engine, and one restart
     assert result["computed"] == 5 and result["validation"]["valid"]
