@@ -34,6 +34,25 @@ def disk_write_bandwidth(directory: Path, total_bytes: int = 2 << 30, block: int
     return total_bytes / elapsed / 1e9
 
 
+_FALLOC_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01
+
+
+def free_disk_blocks(path: Path) -> None:
+    """Give a written file's blocks back to the filesystem without changing its size (a hole punched over all of
+    it), so that a round can write more than the disk holds. Only the bench does this, after the shard was
+    fsynced and its receipt written, in a thread of its own so that the engine's loop never waits for it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if libc.fallocate(fd, _FALLOC_PUNCH_HOLE_KEEP_SIZE, 0, os.fstat(fd).st_size) != 0:
+            raise OSError(ctypes.get_errno(), f"fallocate(PUNCH_HOLE) on {path}")
+    finally:
+        os.close(fd)
+
+
 def _peak_gpu_bytes() -> int | None:
     try:
         import torch
@@ -47,8 +66,9 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
                   rounds: int = 3, dtype: str = "auto", max_num_batched_tokens: int = 8192,
                   max_num_seqs: int = 64, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                   shard_max_tokens: int = 32768, write_threads: int = 4, seed: int = 0,
-                  disk_probe_bytes: int = 2 << 30) -> dict:
+                  disk_probe_bytes: int = 2 << 30, free_written: bool = False) -> dict:
     import random
+    from concurrent.futures import ThreadPoolExecutor
 
     from vllm import SamplingParams
 
@@ -78,10 +98,9 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
     target = out_dir / "dataset"
 
     def steps(mode: str, before: dict, after: dict) -> dict:
-        """Forward passes in a run and the engine's time between them (scheduling, waiting for the GPU to finish a
-        step, and in capture mode the shard boundaries, where one shard's requests end before the next's start)."""
-        return {f"{mode}_forwards": after["forwards"] - before["forwards"],
-                f"{mode}_between_forwards_s": after["between_forwards_s"] - before["between_forwards_s"]}
+        """Forward passes in a run, the device's time in them, and its idle time between them (scheduling,
+        sampling, and in capture mode the shard boundaries and anything else that holds up the engine's loop)."""
+        return {f"{mode}_{key}": after[key] - before[key] for key in ("forwards", "forward_s", "between_forwards_s")}
 
     def plain() -> dict:
         before = engine.capture_stats()
@@ -96,8 +115,14 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         t0 = time.monotonic()
         extraction_round = Extraction(settings, source, target)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
-        manifest = extraction_round.run(holder)
-        ended = time.monotonic()
+        freed = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-free") as freeing:
+            def free(shard, cached):
+                freed.append(freeing.submit(free_disk_blocks, contract.shard_path(target, shard.name)))
+            manifest = extraction_round.run(holder, free if free_written else None)
+            ended = time.monotonic()
+        for done in freed:
+            done.result()
         after = engine.capture_stats()
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
@@ -125,8 +150,9 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
                   f"{row['capture_tok_s']:,.0f} tok/s | ratio {row['ratio']:.3f} | {row['write_gb_s']:.2f} GB/s "
                   f"written | input {row['setup_s']:.1f} s, forward stalled {row['forward_stalled_s']:.1f} s, "
                   f"after the last forward {row['drain_s']:.1f} s | steps {row['plain_forwards']} / "
-                  f"{row['capture_forwards']}, between them {row['plain_between_forwards_s']:.1f} s / "
-                  f"{row['capture_between_forwards_s']:.1f} s (plain / capture)", flush=True)
+                  f"{row['capture_forwards']}, in them {row['plain_forward_s']:.2f} s / {row['capture_forward_s']:.2f} s, "
+                  f"idle between them {row['plain_between_forwards_s']:.2f} s / "
+                  f"{row['capture_between_forwards_s']:.2f} s (plain / capture)", flush=True)
     finally:
         holder.close()
     disk = disk_write_bandwidth(out_dir, disk_probe_bytes)
@@ -136,14 +162,15 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         "layer_ids": extraction.layer_ids, "dtype": extraction.dtype, "hidden_size": extraction.model["hidden_size"],
         "bytes_per_token": 4 if extraction.dtype == "float32" else 2,
         "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
-        "shard_max_tokens": shard_max_tokens, "write_threads": write_threads, "rounds": rounds_out,
+        "shard_max_tokens": shard_max_tokens, "write_threads": write_threads, "free_written": free_written,
+        "rounds": rounds_out,
         "plain_tok_s_median": statistics.median(r["plain_tok_s"] for r in rounds_out),
         "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),
         "ratio_median": ratio, "write_gb_s_median": statistics.median(r["write_gb_s"] for r in rounds_out),
         "ratio_to_last_forward_median": statistics.median(r["ratio_to_last_forward"] for r in rounds_out),
         **{f"{k}_median": statistics.median(r[k] for r in rounds_out)
-           for k in ("setup_s", "forward_stalled_s", "drain_s", "plain_between_forwards_s",
-                     "capture_between_forwards_s")},
+           for k in ("setup_s", "forward_stalled_s", "drain_s", "plain_forward_s", "capture_forward_s",
+                     "plain_between_forwards_s", "capture_between_forwards_s")},
         "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
@@ -164,7 +191,9 @@ def format_result(result: dict) -> str:
         f"still draining then: {result['ratio_to_last_forward_median']:.3f})",
         f"capture's extra time (median): input read and planned {result['setup_s_median']:.2f} s, forward stalled "
         f"on host buffers {result['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
-        f"index, manifest) {result['drain_s_median']:.2f} s; the engine's time between forward passes "
+        f"index, manifest) {result['drain_s_median']:.2f} s",
+        f"device time in forward passes {result['plain_forward_s_median']:.2f} s plain, "
+        f"{result['capture_forward_s_median']:.2f} s capture; idle between them "
         f"{result['plain_between_forwards_s_median']:.2f} s plain, {result['capture_between_forwards_s_median']:.2f} s "
         "capture",
         f"written {result['write_gb_s_median']:.2f} GB/s ({result['bytes_per_token']:,} bytes/token); "

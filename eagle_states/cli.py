@@ -100,7 +100,7 @@ def cmd_bench(args) -> int:
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            shard_max_tokens=args.shard_max_tokens, write_threads=args.write_threads,
-                           disk_probe_bytes=int(args.disk_probe_gb * 2**30))
+                           disk_probe_bytes=int(args.disk_probe_gb * 2**30), free_written=args.free_written)
     print(format_result(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-max-tokens", type=int, default=32768)
     p.add_argument("--write-threads", type=int, default=4)
     p.add_argument("--disk-probe-gb", type=float, default=2.0)
+    p.add_argument("--free-written", action="store_true",
+                   help="free each shard's disk blocks once it is fsynced and recorded (the file keeps its size), "
+                        "for rounds that write more than the disk holds")
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)
 

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -178,16 +179,19 @@ class StreamingFile:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[StreamingFile]:
+def atomic_file(path: Path, durable: bool = True) -> Iterator[StreamingFile]:
     """A `StreamingFile` at a temp name in the same directory; on success it is fsynced and renamed to `path`,
-    on failure removed: a crash never leaves a partial file under the final name."""
+    on failure removed: a crash never leaves a partial file under the final name. `durable=False` skips the
+    fsync, for small files that a caller makes durable later with `fsync_path` (an fsync waits for the
+    filesystem journal, which can wait for gigabytes of other files' writes in flight)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
             yield StreamingFile(raw)
-            os.fsync(raw.fileno())
+            if durable:
+                os.fsync(raw.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -195,13 +199,21 @@ def atomic_file(path: Path) -> Iterator[StreamingFile]:
         raise
 
 
-def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
-    with atomic_file(path) as f:
+def atomic_write_bytes(path: Path, data: bytes | memoryview, durable: bool = True) -> None:
+    with atomic_file(path, durable) as f:
         f.write(data)
 
 
-def atomic_write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), durable)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path, block: int = 8 << 20) -> str:
@@ -219,9 +231,10 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[str, int]:
     """Write a shard in the safetensors format, streaming each tensor's bytes straight from memory while hashing
     them. A value may be a list of pieces, stored as their concatenation along dim 0 without being concatenated
-    in memory. Hashing and writing release the GIL, so a writer thread does not slow the thread that launches the
-    model's kernels. Atomic: temp file, fsync, rename. Keys are written in sorted order with one metadata entry,
-    so the same samples give the same bytes. Returns (sha256, size in bytes).
+    in memory. A helper thread writes while this one hashes (both release the GIL), so a shard takes as long as
+    the slower of the two, not their sum: that is what is left to wait for after a run's last forward pass.
+    Atomic: temp file, fsync, rename. Keys are written in sorted order with one metadata entry, so the same
+    samples give the same bytes. Returns (sha256, size in bytes).
     """
     names = sorted(tensors)
     header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
@@ -234,16 +247,20 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Te
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
+    chunks = [len(header_bytes).to_bytes(8, "little"), header_bytes]
+    chunks += [piece.contiguous().view(torch.uint8).numpy() for name in names for piece in pieces[name]]
     digest = hashlib.sha256()
-    with atomic_file(path) as f:
-        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
-            digest.update(chunk)
-            f.write(chunk)
-        for name in names:
-            for piece in pieces[name]:
-                data = piece.contiguous().view(torch.uint8).numpy()
-                digest.update(data)
-                f.write(data)
+    with atomic_file(path) as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io") as io_thread:
+        writes = [io_thread.submit(f.write, chunk) for chunk in chunks]  # in order: one thread
+        try:
+            for chunk in chunks:
+                digest.update(chunk)
+            for write in writes:
+                write.result()
+        except BaseException:
+            for write in writes:
+                write.cancel()
+            raise
     return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 

@@ -6,6 +6,9 @@ the following shards run.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 import zlib
@@ -42,6 +45,14 @@ class InputSample:
     input_ids: list[int]
     loss_mask: list[int]
     source_row: int
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """sha256 of the sample's id, tokens, mask and source row (the input and shard content hashes use it)."""
+        h = hashlib.sha256(json.dumps([self.sample_id, self.source_row]).encode())
+        h.update(np.asarray(self.input_ids, dtype=np.int64).tobytes())
+        h.update(np.asarray(self.loss_mask, dtype=np.uint8).tobytes())
+        return h.digest()
 
 
 @dataclass

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
+
 from eagle_states import contract
 from eagle_states.engine import CaptureEngine, EngineHolder, EngineSettings, InputSample, ShardJob, ShardResult
 
@@ -57,18 +59,24 @@ def _check_row(row: dict, where: str, vocab_size: int, max_tokens: int) -> Input
         contract.check_sample_id(sample_id)
     except ValueError as exc:
         raise InputError(f"{where}: {exc}") from None
+    # checked with whole-list operations (set of types, numpy min/max): a run reads millions of token ids
     ids = row.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}:
         raise InputError(f"{where} (id {sample_id}): 'input_ids' must be a non-empty list of integers")
-    out_of_vocab = [t for t in ids if not 0 <= t < vocab_size]
-    if out_of_vocab:
-        raise InputError(f"{where} (id {sample_id}): token ids {out_of_vocab[:5]} outside the vocabulary 0..{vocab_size - 1}")
+    try:
+        outside = np.flatnonzero(np.asarray(ids, dtype=np.int64) >= vocab_size) if min(ids) >= 0 else None
+    except OverflowError:
+        outside = None
+    if outside is None or len(outside):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        raise InputError(f"{where} (id {sample_id}): token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
     if len(ids) > max_tokens:
         raise InputError(f"{where} (id {sample_id}): {len(ids)} tokens, the engine takes at most {max_tokens}")
     mask = row.get("loss_mask", [1] * len(ids))
-    if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+    if (not isinstance(mask, list) or len(mask) != len(ids) or not set(map(type, mask)) <= {int}
+            or not set(mask) <= {0, 1}):
         raise InputError(f"{where} (id {sample_id}): 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})")
-    return InputSample(sample_id, [int(t) for t in ids], [int(m) for m in mask], int(row.get("source_row", 0)))
+    return InputSample(sample_id, ids, mask, int(row.get("source_row", 0)))
 
 
 def load_input(path: Path, vocab_size: int, max_tokens: int) -> list[InputSample]:
@@ -85,8 +93,8 @@ def load_input(path: Path, vocab_size: int, max_tokens: int) -> list[InputSample
         if not table.exists():
             raise InputError(f"{path}: a directory without {PREPARED_SAMPLES_FILE} (run `eagle-states prepare`)")
         frame = pd.read_parquet(table, columns=["sample_id", "input_ids", "loss_mask", "source_row"])
-        rows = ({"id": r.sample_id, "input_ids": [int(t) for t in r.input_ids],
-                 "loss_mask": [int(m) for m in r.loss_mask], "source_row": int(r.source_row)}
+        rows = ({"id": r.sample_id, "input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist(),
+                 "source_row": int(r.source_row)}
                 for r in frame.itertuples(index=False))
         where = f"{table} sample"
     else:
@@ -118,7 +126,7 @@ def load_input(path: Path, vocab_size: int, max_tokens: int) -> list[InputSample
 def input_hash(samples: Iterable[InputSample]) -> str:
     h = hashlib.sha256()
     for s in samples:
-        h.update(json.dumps([s.sample_id, s.input_ids, s.loss_mask, s.source_row]).encode())
+        h.update(s.digest)
     return h.hexdigest()
 
 
@@ -202,7 +210,10 @@ class Extraction:
         path = contract.receipt_path(self.out, shard.name)
         if not path.exists():
             return None
-        receipt = json.loads(path.read_text())
+        try:
+            receipt = json.loads(path.read_text())
+        except (OSError, ValueError):  # receipts are fsynced at finalize: after a power loss one may be empty
+            return None
         if (receipt.get("config_hash") != self.config_hash or receipt.get("content_hash") != shard.content_hash
                 or not file.exists() or file.stat().st_size != receipt["bytes"]
                 or contract.sha256_file(file) != receipt["sha256"]):
@@ -223,7 +234,10 @@ class Extraction:
             "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
                          "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
                         for s in shard.samples]}
-        contract.atomic_write_json(contract.receipt_path(self.out, shard.name), receipt)
+        # Not fsynced here (finalize does it): this runs between engine steps, and an fsync there waits for the
+        # filesystem journal and with it for the shard data other writers have in flight, while the GPU idles.
+        # A receipt lost to a power cut only means its shard is computed again.
+        contract.atomic_write_json(contract.receipt_path(self.out, shard.name), receipt, durable=False)
         self._intact[shard.name] = receipt  # its hash was computed from the bytes as they were written
         return receipt
 
@@ -264,6 +278,8 @@ class Extraction:
             if receipt is None:
                 raise RuntimeError(f"{self.out}: shard {shard.name} is not finished; cannot finalize")
             receipts.append(receipt)
+        for shard in self.shards:  # the receipts are durable before the manifest says the dataset is finished
+            contract.fsync_path(contract.receipt_path(self.out, shard.name))
         planned = {s.name for s in self.shards}
         for folder, suffix in ((contract.SHARDS_DIR, ".safetensors"), (contract.RECEIPTS_DIR, ".json")):
             for stale in (self.out / folder).glob("*"):

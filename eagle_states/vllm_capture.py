@@ -21,6 +21,7 @@ Data leaves workers as files: one writer rank (tensor-parallel rank 0) assembles
 
 from __future__ import annotations
 
+import collections
 import inspect
 import queue
 import threading
@@ -76,6 +77,53 @@ def _argument_getter(layer: torch.nn.Module, name: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+class _ForwardClock:
+    """Forward passes on the device's own timeline: how long each took and how long the device sat idle between
+    them (scheduling, sampling, shard boundaries, anything that holds up the engine's loop). On CUDA the model
+    call returns once its kernels are queued, so host time would count the GPU's work as the gap; CUDA events
+    time it where it runs. The CPU build runs the forward pass synchronously, so host time is that timeline."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pending = collections.deque()  # (start, end) not yet known to have run
+        self.previous_end = None  # the gap is counted from here; None after `restart`
+        self.forwards, self.forward_s, self.between_s = 0, 0.0, 0.0
+
+    def mark(self):
+        if not self.cuda:
+            return time.monotonic()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start, end):
+        self.pending.append((start, end))
+        self.settle(wait=False)
+
+    def settle(self, wait: bool):
+        while self.pending:
+            start, end = self.pending[0]
+            if self.cuda:
+                if wait:
+                    end.synchronize()
+                elif not end.query():
+                    return
+                span = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731 (ms on the device)
+            else:
+                span = lambda a, b: b - a  # noqa: E731
+            self.pending.popleft()
+            self.forwards += 1
+            self.forward_s += span(start, end)
+            if self.previous_end is not None:
+                self.between_s += span(self.previous_end, start)
+            self.previous_end = end
+
+    def restart(self):
+        """Counts every pass so far; the next gap is counted from the next pass (idle time before it is not)."""
+        self.settle(wait=True)
+        self.previous_end = None
+
+
 class _PinnedBlock:
     """A pinned host buffer holding one step's states; back in the pool once every sample using it is written."""
 
@@ -120,12 +168,9 @@ class _Capture:
         self.complete: dict[str, dict] = {}  # sample id -> finished sample, waiting for its shard marker
         self.finished: dict[str, dict] = {}  # shard path -> {"samples": summary, "future": write or None}
         # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
-        # captured step (so a caller can tell the time spent draining writes after the last forward pass);
-        # forwards / between_forwards_s: every real step, captured or not, and the time from the end of one to
-        # the start of the next (counted from the first step after each `eagle_stats` call)
-        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0,
-                      "forwards": 0, "between_forwards_s": 0.0}
-        self.previous_forward_end: float | None = None
+        # captured step (so a caller can tell the time spent draining writes after the last forward pass)
+        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
+        self.clock = _ForwardClock(self.is_cuda)
         self.failure: BaseException | None = None
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
@@ -159,10 +204,7 @@ class _Capture:
         original = runner._model_forward
 
         def model_forward(*args, **kwargs):
-            started = time.monotonic()
-            if self.previous_forward_end is not None:  # the engine's time outside the model, captured or not
-                self.stats["between_forwards_s"] += started - self.previous_forward_end
-            self.stats["forwards"] += 1
+            started = self.clock.mark()  # every real step, captured or not
             try:
                 requests = self._step_requests()
                 if not requests:
@@ -176,7 +218,7 @@ class _Capture:
                 self._hand_off(requests, kwargs.get("positions"), kwargs.get("input_ids"))
                 return output
             finally:
-                self.previous_forward_end = time.monotonic()
+                self.clock.add(started, self.clock.mark())
         runner._model_forward = model_forward
 
     def _step_requests(self) -> list[tuple[str, int, int, int]]:
@@ -421,11 +463,14 @@ class CaptureWorkerExtension:
         return self._eagle_reply(self._eagle_capture.poll(wait))
 
     def eagle_stats(self) -> dict:
-        """The counters; the time between forward passes is counted afresh from the next one (a caller reads the
+        """The counters, with the forward passes so far (`forwards`, `forward_s`, `between_forwards_s`: device
+        time in them and idle between them); the next gap is counted from the next pass on (a caller reads the
         stats before and after what it measures, and the idle time before it is not counted)."""
         cap: _Capture = self._eagle_capture
-        cap.previous_forward_end = None
-        return self._eagle_reply(dict(cap.stats))
+        cap.clock.restart()
+        clock = cap.clock
+        return self._eagle_reply({**cap.stats, "forwards": clock.forwards, "forward_s": clock.forward_s,
+                                  "between_forwards_s": clock.between_s})
 
     def eagle_discard(self) -> dict:
         return self._eagle_reply(self._eagle_capture.discard())

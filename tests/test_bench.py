@@ -19,13 +19,14 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     cmd = [sys.executable, "-m", "eagle_states", "bench", "--model", str(llama_model), "--out", str(out),
            "--prompts", "6", "--prompt-len", "40", "--rounds", "2", "--dtype", "float32",
            "--gpu-memory-utilization", "0.2", "--max-num-batched-tokens", "64", "--shard-max-tokens", "100",
-           "--disk-probe-gb", "0.01", "--json", str(tmp_path / "bench.json")]
+           "--disk-probe-gb", "0.01", "--free-written", "--json", str(tmp_path / "bench.json")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = done.stdout
     assert printed.count("round ") == 2
     for line in ("plain prefill", "capture to disk", "ratio capture/plain", "up to the last forward pass", "GB/s written", "disk alone",
-                 "forward stalled", "after the last forward", "between forward passes", "peak host RSS",
+                 "forward stalled", "after the last forward", "device time in forward passes", "idle between them",
+                 "peak host RSS",
                  "engine start"):
         assert line in printed or line.replace(" GB/s", "") in printed, line
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -42,10 +43,23 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
         # 240 tokens in steps of at most 64: plain packs them into 4 steps; capture runs 3 shards of 2 samples
         # (80 tokens each: 2 steps per shard)
         assert r["plain_forwards"] == 4 and r["capture_forwards"] == 6
-        assert 0 <= r["plain_between_forwards_s"] < r["plain_s"]
-        assert 0 <= r["capture_between_forwards_s"] < r["capture_s"]
+        for mode in ("plain", "capture"):
+            assert 0 < r[f"{mode}_forward_s"] and 0 <= r[f"{mode}_between_forwards_s"]
+            assert r[f"{mode}_forward_s"] + r[f"{mode}_between_forwards_s"] < r[f"{mode}_s"]
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert not (out / "dataset").exists()  # each round's dataset is removed
+    assert result["free_written"] is True
+
+
+def test_free_disk_blocks_keeps_the_size_and_gives_the_blocks_back(tmp_path):
+    from eagle_states.bench import free_disk_blocks
+
+    path = tmp_path / "shard.bin"
+    contract.atomic_write_bytes(path, os.urandom(8 << 20))
+    assert path.stat().st_blocks * 512 >= 8 << 20
+    free_disk_blocks(path)
+    assert path.stat().st_size == 8 << 20 and path.stat().st_blocks * 512 < 1 << 20
+    assert path.read_bytes() == bytes(8 << 20)  # a hole reads as zeros
 
 
 def test_streaming_file_writes_every_byte(tmp_path, monkeypatch):
