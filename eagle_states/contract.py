@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -228,40 +229,109 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
               torch.int64: "I64", torch.uint8: "U8"}
 
 
-def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[str, int]:
-    """Write a shard in the safetensors format, streaming each tensor's bytes straight from memory while hashing
-    them. A value may be a list of pieces, stored as their concatenation along dim 0 without being concatenated
-    in memory. A helper thread writes while this one hashes (both release the GIL), so a shard takes as long as
-    the slower of the two, not their sum: that is what is left to wait for after a run's last forward pass.
-    Atomic: temp file, fsync, rename. Keys are written in sorted order with one metadata entry, so the same
-    samples give the same bytes. Returns (sha256, size in bytes).
+def shard_sample_order(sample_ids: list[str]) -> list[str]:
+    """The order in which samples appear in a shard file. Keys are stored sorted and all of a sample's keys
+    share its `sample_id/` prefix, so they are contiguous and samples follow the order of `sample_id + "/"`."""
+    return sorted(sample_ids, key=lambda sid: sid + "/")
+
+
+def sample_tensor_specs(sample_id: str, num_tokens: int, num_layer_slots: int, hidden_size: int,
+                        dtype: torch.dtype) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """The tensors one sample contributes to a shard: key -> (dtype, shape)."""
+    specs = {key_input_ids(sample_id): (torch.int32, [num_tokens]),
+             key_loss_mask(sample_id): (torch.uint8, [num_tokens])}
+    for j in range(num_layer_slots):
+        specs[key_hidden_state(sample_id, j)] = (dtype, [num_tokens, hidden_size])
+    return specs
+
+
+class ShardFileWriter:
+    """Writes one shard in the safetensors format, tensor by tensor in the file's (sorted) key order, while later
+    tensors may not exist yet: the header is made from the tensors' dtypes and shapes alone, so a shard can be
+    written as its samples are captured. Each tensor's pieces are streamed from memory (concatenated along dim 0
+    in the file, never in memory) and hashed while a helper thread writes them (hashing and writing both release
+    the GIL, so a shard takes as long as the slower of the two). Atomic: temp file, fsync, rename; an exception
+    or an incomplete shard leaves nothing under `path`. After the `with` block: `sha256` and `size`.
     """
-    names = sorted(tensors)
-    header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
-    pieces = {name: t if isinstance(t, list) else [t] for name, t in tensors.items()}
-    for name in names:
-        first = pieces[name][0]
-        shape = [sum(p.shape[0] for p in pieces[name]), *first.shape[1:]] if first.dim() else []
-        size = sum(p.numel() for p in pieces[name]) * first.element_size()
-        header[name] = {"dtype": _ST_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
-    chunks = [len(header_bytes).to_bytes(8, "little"), header_bytes]
-    chunks += [piece.contiguous().view(torch.uint8).numpy() for name in names for piece in pieces[name]]
-    digest = hashlib.sha256()
-    with atomic_file(path) as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io") as io_thread:
-        writes = [io_thread.submit(f.write, chunk) for chunk in chunks]  # in order: one thread
-        try:
-            for chunk in chunks:
-                digest.update(chunk)
-            for write in writes:
-                write.result()
-        except BaseException:
-            for write in writes:
+
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]]):
+        self.path, self.order = Path(path), sorted(specs)
+        header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
+        self.nbytes = {}
+        for name in self.order:
+            dtype, shape = specs[name]
+            self.nbytes[name] = size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
+        self.header = len(header_bytes).to_bytes(8, "little") + header_bytes
+        self.size = len(self.header) + offset
+        self.sha256: str | None = None
+        self.dtypes = {name: specs[name][0] for name in self.order}
+
+    def __enter__(self) -> "ShardFileWriter":
+        self._stack = contextlib.ExitStack()
+        self._file = self._stack.enter_context(atomic_file(self.path))
+        self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
+        self._writes, self._digest, self._next = [], hashlib.sha256(), 0
+        self._put(self.header)
+        return self
+
+    def _put(self, data) -> None:
+        self._writes.append(self._io.submit(self._file.write, data))  # in order: one thread
+        self._digest.update(data)
+
+    def write(self, name: str, pieces: list[torch.Tensor]) -> None:
+        """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written."""
+        expected = self.order[self._next] if self._next < len(self.order) else None
+        if name != expected:
+            raise ValueError(f"{self.path.name}: tensor {name} written where {expected} comes next")
+        data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
+        if any(p.dtype != self.dtypes[name] for p in pieces) or sum(d.nbytes for d in data) != self.nbytes[name]:
+            raise ValueError(f"{self.path.name}: {name} got {sum(d.nbytes for d in data)} bytes of "
+                             f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} bytes "
+                             f"of {self.dtypes[name]}")
+        for chunk in data:
+            self._put(chunk)
+        while self._writes:  # once `write` returns the caller may reuse the pieces' memory
+            self._writes.pop(0).result()
+        self._next += 1
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        failure = None
+        if exc_type is None:
+            try:
+                if self._next != len(self.order):
+                    raise ValueError(f"{self.path.name}: {len(self.order) - self._next} tensors were not written "
+                                     f"(next: {self.order[self._next]})")
+                for write in self._writes:
+                    write.result()
+                self.sha256 = self._digest.hexdigest()
+            except BaseException as error:
+                failure = error
+                exc_type, exc, tb = type(error), error, error.__traceback__
+        if exc_type is not None:
+            for write in self._writes:
                 write.cancel()
-            raise
-    return digest.hexdigest(), 8 + len(header_bytes) + offset
+        # the helper thread ends first, then the temp file is committed (fsync, rename) or removed
+        self._stack.__exit__(exc_type, exc, tb)
+        if failure is not None:
+            raise failure
+        return False
+
+
+def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[str, int]:
+    """A whole shard from tensors in memory (a value may be a list of pieces, stored as their concatenation along
+    dim 0). Keys in sorted order with one metadata entry, so the same tensors give the same bytes.
+    Returns (sha256, size in bytes)."""
+    pieces = {name: t if isinstance(t, list) else [t] for name, t in tensors.items()}
+    specs = {name: (p[0].dtype, [sum(x.shape[0] for x in p), *p[0].shape[1:]] if p[0].dim() else [])
+             for name, p in pieces.items()}
+    with ShardFileWriter(path, specs) as out:
+        for name in out.order:
+            out.write(name, pieces[name])
+    return out.sha256, out.size
 
 
 def hash_json(obj) -> str:

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from eagle_states import contract
 from eagle_states.vllm_capture import SAMPLE_ID_KEY, CaptureError, check_poll_agreement, check_replies
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ class CaptureEngine:
 
         One shard's requests are in the engine at a time, so a shard's batches depend on its own samples only and
         its bytes do not depend on which shards ran beside it (resume, several engines, Prefect or DVC all give
-        the same files). Writing still overlaps with the next shard's forward passes.
+        the same files). The workers write a shard's samples as they are captured, overlapping its own later steps
+        and the next shards' steps.
         """
         engine = self.llm.llm_engine
         owner: set[str] = set()  # request ids of the shard in the engine
@@ -139,7 +141,14 @@ class CaptureEngine:
             for job in jobs:
                 if not job.samples:
                     raise ValueError(f"shard {job.name} has no samples")
-                for sample in job.samples:
+                # in the file's order, so that samples are captured in the order the workers write them
+                by_id = {s.sample_id: s for s in job.samples}
+                samples = [by_id[sid] for sid in contract.shard_sample_order(list(by_id))]
+                self._rpc("eagle_begin_shard", str(job.path), [s.sample_id for s in samples],
+                          [len(s.input_ids) for s in samples], [s.loss_mask for s in samples])
+                self._queued[str(job.path)] = job
+                self._reports[str(job.path)] = {}
+                for sample in samples:
                     self._request_counter += 1
                     request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
                     engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
@@ -150,17 +159,11 @@ class CaptureEngine:
                         if output.finished:
                             owner.discard(output.request_id)
                     yield from self._collect(wait=False)
-                self._queue_write(job)  # returns at once: the workers write while the next shard runs
+                self._rpc("eagle_end_shard", str(job.path))  # returns at once: the workers finish writing it
             yield from self._collect(wait=True)
         except BaseException:
             self.reset(list(owner))
             raise
-
-    def _queue_write(self, job: ShardJob):
-        self._rpc("eagle_write_shard", str(job.path), [s.sample_id for s in job.samples],
-                  [s.loss_mask for s in job.samples])
-        self._queued[str(job.path)] = job
-        self._reports[str(job.path)] = {}
 
     def _collect(self, wait: bool) -> Iterator[ShardResult]:
         """Shards every rank has reported (the writer with the file's hash), checked against the prompts."""

@@ -165,8 +165,12 @@ class _Capture:
         self.pinned_allocated = 0
         self.lock = threading.Lock()
         self.partial: dict[str, dict] = {}  # sample id -> chunks being assembled
-        self.complete: dict[str, dict] = {}  # sample id -> finished sample, waiting for its shard marker
+        self.complete: dict[str, dict] = {}  # sample id -> captured sample, until its shard's writer takes it
+        self.sample_ready = threading.Condition()  # the assembler completed a sample, or writing must stop
+        self.captured: dict[str, list[int]] = {}  # sample id -> [tokens, ids crc], until its shard's end marker
+        self.open_shards: dict[str, dict] = {}  # shard path -> its plan and writer, between its markers
         self.finished: dict[str, dict] = {}  # shard path -> {"samples": summary, "future": write or None}
+        self.stopping = False  # set by `discard`: writers waiting for samples give up
         # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
         # captured step (so a caller can tell the time spent draining writes after the last forward pass)
         self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
@@ -298,15 +302,18 @@ class _Capture:
 
     # -- assembly (off the forward path) ------------------------------------------------------------------------
     def _assemble_loop(self):
+        handlers = {"step": self._assemble, "begin": self._begin_shard, "end": self._end_shard}
         while True:
             item = self.work.get()
             try:
                 if item is None:
                     return
                 if self.failure is None:
-                    (self._assemble if item[0] == "step" else self._finish_shard)(*item[1:])
+                    handlers[item[0]](*item[1:])
             except BaseException as exc:  # reported to the driver on its next call
                 self.failure = exc
+                with self.sample_ready:  # writers waiting for samples give up
+                    self.sample_ready.notify_all()
             finally:
                 if item is not None and item[0] == "step" and item[-1] is not None:
                     self._release([item[-1]])
@@ -323,7 +330,7 @@ class _Capture:
                 continue
             sample = self.partial.get(sample_id)
             if sample is None:
-                if sample_id in self.complete:
+                if sample_id in self.captured:
                     raise CaptureError(f"sample {sample_id}: two requests in flight carry this sample id")
                 if first != 0:
                     raise CaptureError(f"sample {sample_id}: first rows start at position {first}, not 0 "
@@ -347,39 +354,80 @@ class _Capture:
             if sample["next"] == prompt_len:
                 del self.partial[sample_id]
                 sample["ids"] = torch.cat(sample["ids"])
-                sample["crc"] = zlib.crc32(sample["ids"].numpy().tobytes())
-                self.complete[sample_id] = sample
+                self.captured[sample_id] = [len(sample["ids"]), zlib.crc32(sample["ids"].numpy().tobytes())]
+                with self.sample_ready:
+                    self.complete[sample_id] = sample
+                    self.sample_ready.notify_all()
 
-    def _finish_shard(self, path: str, sample_ids: list[str], loss_masks: list[list[int]]):
-        missing = [s for s in sample_ids if s not in self.complete]
+    def _begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int], loss_masks: list[list[int]]):
+        """A shard's plan, queued before its steps: its file is written sample by sample as they are captured,
+        so that at a run's end only the last step's samples are left to write."""
+        shard = {"samples": sample_ids, "num_tokens": dict(zip(sample_ids, num_tokens)),
+                 "loss_masks": dict(zip(sample_ids, loss_masks)), "future": None}
+        if self.writer:
+            self.write_slots.acquire()  # at most write_threads + 1 shards held for writing
+            shard["future"] = self.pool.submit(self._write_shard, path, shard)
+        self.open_shards[path] = shard
+
+    def _end_shard(self, path: str):
+        shard = self.open_shards.pop(path)
+        missing = [s for s in shard["samples"] if s not in self.captured]
         if missing:
             raise CaptureError(f"shard {Path(path).name}: {len(missing)} samples were not captured completely "
                                f"(first: {missing[:3]}; partial: {sorted(self.partial)[:3]})")
-        samples = [(sid, self.complete.pop(sid), mask) for sid, mask in zip(sample_ids, loss_masks)]
-        summary = {sid: [len(sample["ids"]), sample["crc"]] for sid, sample, _ in samples}
-        future = None
-        if self.writer:
-            for sid, sample, mask in samples:
-                if len(mask) != len(sample["ids"]):
-                    raise CaptureError(f"sample {sid}: loss mask of {len(mask)} for {len(sample['ids'])} tokens")
-            self.write_slots.acquire()  # at most write_threads + 1 shards held for writing
-            future = self.pool.submit(self._write, path, samples)
-        self.finished[path] = {"samples": summary, "future": future}
+        summary = {sid: self.captured.pop(sid) for sid in shard["samples"]}
+        if not self.writer:
+            with self.sample_ready:
+                for sid in shard["samples"]:
+                    self.complete.pop(sid)
+        self.finished[path] = {"samples": summary, "future": shard["future"]}
 
-    def _write(self, path: str, samples) -> tuple[str, int]:
+    def _take_complete(self, sample_id: str) -> dict:
+        """Wait until the assembler has captured this sample, and take it (a writer thread)."""
+        with self.sample_ready:
+            while sample_id not in self.complete:
+                if self.stopping or self.failure is not None:
+                    raise CaptureError(f"sample {sample_id}: capture stopped before it was complete")
+                self.sample_ready.wait()
+            return self.complete.pop(sample_id)
+
+    def _write_shard(self, path: str, shard: dict) -> tuple[str, int]:
         try:
-            tensors = {}
-            for sid, sample, mask in samples:
-                tensors[contract.key_input_ids(sid)] = sample["ids"].to(torch.int32)
-                tensors[contract.key_loss_mask(sid)] = torch.tensor(mask, dtype=torch.uint8)
-                for j in range(len(self.layer_ids)):
-                    tensors[contract.key_hidden_state(sid, j)] = [chunk[j] for chunk in sample["chunks"]]
-            return contract.write_shard_file(Path(path), tensors)
+            order = contract.shard_sample_order(shard["samples"])
+            sample = self._take_complete(order[0])
+            try:
+                like = sample["chunks"][0][0]  # the stream's dtype and width, from the first captured piece
+                specs = {}
+                for sid in order:
+                    specs.update(contract.sample_tensor_specs(sid, shard["num_tokens"][sid], len(self.layer_ids),
+                                                              like.shape[-1], like.dtype))
+                with contract.ShardFileWriter(Path(path), specs) as out:
+                    for i, sid in enumerate(order):
+                        if i:
+                            sample = self._take_complete(sid)
+                        self._write_sample(out, sid, sample, shard["loss_masks"][sid])
+                        sample = self._forget(sample)
+            finally:
+                self._forget(sample)
+            return out.sha256, out.size
         finally:
-            for _, sample, _ in samples:
-                sample["chunks"] = None
-                self._release(sample["blocks"])
             self.write_slots.release()
+
+    def _write_sample(self, out: contract.ShardFileWriter, sample_id: str, sample: dict, mask: list[int]):
+        if len(mask) != len(sample["ids"]):
+            raise CaptureError(f"sample {sample_id}: loss mask of {len(mask)} for {len(sample['ids'])} tokens")
+        tensors = {contract.key_input_ids(sample_id): [sample["ids"].to(torch.int32)],
+                   contract.key_loss_mask(sample_id): [torch.tensor(mask, dtype=torch.uint8)]}
+        for j in range(len(self.layer_ids)):
+            tensors[contract.key_hidden_state(sample_id, j)] = [chunk[j] for chunk in sample["chunks"]]
+        for name in sorted(tensors):
+            out.write(name, tensors[name])
+
+    def _forget(self, sample: dict | None) -> None:
+        """Hand a written (or abandoned) sample's pinned blocks back; returns None for the caller's variable."""
+        if sample is not None and sample["chunks"] is not None:
+            sample["chunks"] = None
+            self._release(sample["blocks"])
 
     # -- driver calls ----------------------------------------------------------------------------------------------
     def _raise_failure(self):
@@ -387,15 +435,22 @@ class _Capture:
             failure, self.failure = self.failure, None
             raise CaptureError(f"capture failed on rank {self.rank}: {failure}") from failure
 
-    def write_shard(self, path: str, sample_ids: list[str], loss_masks: list[list[int]]) -> dict:
-        """Queue a shard marker behind the steps already captured; returns at once."""
+    def begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int],
+                    loss_masks: list[list[int]]) -> dict:
+        """Queue a shard's plan before its requests run; returns at once."""
         self._raise_failure()
-        self.work.put(("shard", path, sample_ids, loss_masks))
+        self.work.put(("begin", path, sample_ids, num_tokens, loss_masks))
+        return {"queued": path}
+
+    def end_shard(self, path: str) -> dict:
+        """Queue the end of a shard behind the steps already captured; returns at once."""
+        self._raise_failure()
+        self.work.put(("end", path))
         return {"queued": path}
 
     def poll(self, wait: bool) -> dict:
         """Shards that are done: {path: {"samples": {id: [tokens, ids crc]}, "sha256", "bytes"}} (the hash and
-        size from the writer rank only). `wait` blocks until every queued shard is done."""
+        size from the writer rank only). `wait` blocks until every ended shard is done."""
         if wait:
             self.work.join()
         self._raise_failure()
@@ -413,18 +468,24 @@ class _Capture:
         return {"shards": done, "stats": dict(self.stats)}
 
     def discard(self) -> dict:
-        """Forget partial and unclaimed samples (after a failed shard) so that a retry starts clean."""
+        """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts
+        clean; their temp files are removed."""
         self.work.join()
-        self.failure = None
+        with self.sample_ready:
+            self.stopping = True
+            self.sample_ready.notify_all()
+        for entry in list(self.open_shards.values()) + list(self.finished.values()):
+            if entry["future"] is not None:
+                entry["future"].exception()  # wait for writers to stop before their samples are released
         dropped = sorted(self.partial) + sorted(self.complete)
         for sample in list(self.partial.values()) + list(self.complete.values()):
-            self._release(sample["blocks"])
+            self._forget(sample)
         self.partial.clear()
         self.complete.clear()
-        for entry in self.finished.values():
-            if entry["future"] is not None:
-                entry["future"].exception()  # let queued writes end before their shards are forgotten
+        self.captured.clear()
+        self.open_shards.clear()
         self.finished.clear()
+        self.stopping, self.failure = False, None
         return {"discarded": dropped}
 
 
@@ -456,8 +517,12 @@ class CaptureWorkerExtension:
         return self._eagle_reply({"num_layers": cap.num_layers, "hidden_size": hidden,
                                   "device": str(self.model_runner.device)})
 
-    def eagle_write_shard(self, path: str, sample_ids: list[str], loss_masks: list[list[int]]) -> dict:
-        return self._eagle_reply(self._eagle_capture.write_shard(path, sample_ids, loss_masks))
+    def eagle_begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int],
+                          loss_masks: list[list[int]]) -> dict:
+        return self._eagle_reply(self._eagle_capture.begin_shard(path, sample_ids, num_tokens, loss_masks))
+
+    def eagle_end_shard(self, path: str) -> dict:
+        return self._eagle_reply(self._eagle_capture.end_shard(path))
 
     def eagle_poll(self, wait: bool = False) -> dict:
         return self._eagle_reply(self._eagle_capture.poll(wait))

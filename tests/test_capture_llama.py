@@ -100,7 +100,8 @@ def test_warmup_and_decode_rows_are_never_stored(tmp_path, llama_model, engines,
                         SamplingParams(max_tokens=5, ignore_eos=True, extra_args={SAMPLE_ID_KEY: "decoding"}),
                         use_tqdm=False)
     path = tmp_path / "decode.safetensors"
-    engine._rpc("eagle_write_shard", str(path), ["decoding"], [[1] * 70])
+    engine._rpc("eagle_begin_shard", str(path), ["decoding"], [70], [[1] * 70])
+    engine._rpc("eagle_end_shard", str(path))
     assert engine._rpc("eagle_poll", True)["shards"][str(path)]["samples"]["decoding"][0] == 70
     from safetensors.torch import load_file
 
