@@ -137,9 +137,10 @@ class _Capture:
     """Per-worker capture state: hooks, step hand-off, sample assembly and shard writing.
 
     The forward thread only launches the hooks' additions and one asynchronous device-to-host copy per step.
-    The assembler thread maps rows to samples (views, no copies) and, at a shard marker, hands finished samples
-    to the writer pool, which streams them from host memory to disk. Host memory is bounded by the pinned pool
-    (CUDA) and by the number of shards being written (`write_threads + 1`).
+    The assembler thread maps rows to samples (views, no copies). A shard's plan arrives before its steps (a
+    begin marker); its writer, in the writer pool, streams each sample from host memory to disk as soon as the
+    assembler completes it, in the file's order, and hands its pinned blocks back. Host memory is bounded by the
+    pinned pool (CUDA) and by the number of shards being written (`write_threads + 1`).
     """
 
     PINNED_BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight (CUDA); at least 4 steps

@@ -113,6 +113,42 @@ def test_warmup_and_decode_rows_are_never_stored(tmp_path, llama_model, engines,
         assert rel_error(tensors[f"decoding/hidden_states/{j}"], reference[j]) < 1e-5
 
 
+def test_a_shard_given_up_half_way_leaves_no_file_and_a_clean_engine(tmp_path, llama_model, engines, fp32_dataset,
+                                                                     hf_fp32):
+    """A shard's file is written as its samples are captured; when the driver gives up on the shard half-way
+    (the engine failed under it), the half-written temp file goes and the next shard is captured normally."""
+    import time
+
+    from vllm import SamplingParams
+
+    engine = engines.engine
+    first, second = random_prompts([90, 30], 300, seed=11)
+    path = tmp_path / "given-up.safetensors"
+    engine._rpc("eagle_begin_shard", str(path), ["a", "b"], [90, 30], [[1] * 90, [1] * 30])
+    engine.llm.generate([{"prompt_token_ids": first}],
+                        SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "a"}), use_tqdm=False)
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.glob(".given-up.safetensors.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(tmp_path.glob(".given-up.safetensors.*.tmp")), "the writer did not start on the captured sample"
+    engine.reset()  # "b" never comes
+    assert list(tmp_path.iterdir()) == []
+    again = tmp_path / "again.safetensors"
+    engine._rpc("eagle_begin_shard", str(again), ["b"], [30], [[1] * 30])
+    engine.llm.generate([{"prompt_token_ids": second}],
+                        SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "b"}), use_tqdm=False)
+    engine._rpc("eagle_end_shard", str(again))
+    report = engine._rpc("eagle_poll", True)["shards"][str(again)]
+    assert report["sha256"] == contract.sha256_file(again) and report["samples"]["b"][0] == 30
+    from safetensors.torch import load_file
+
+    tensors = load_file(again)
+    reference = hf_states(hf_fp32, second, LAYERS)
+    assert [p.name for p in tmp_path.iterdir()] == ["again.safetensors"]
+    for j in range(len(LAYERS)):
+        assert rel_error(tensors[f"b/hidden_states/{j}"], reference[j]) < 1e-5
+
+
 def test_rerun_resumes_only_unfinished_shards(tmp_path, llama_model, engines, prompts, fp32_dataset):
     import shutil
 
