@@ -176,6 +176,7 @@ class _Capture:
         # captured step (so a caller can tell the time spent draining writes after the last forward pass)
         self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
         self.clock = _ForwardClock(self.is_cuda)
+        self.pending_copy = None  # CUDA: the last captured step, until `_start_copy` moves it to the host
         self.failure: BaseException | None = None
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
@@ -211,6 +212,7 @@ class _Capture:
         def model_forward(*args, **kwargs):
             started = self.clock.mark()  # every real step, captured or not
             try:
+                self._start_copy()  # the previous step's states
                 requests = self._step_requests()
                 if not requests:
                     return original(*args, **kwargs)
@@ -241,7 +243,7 @@ class _Capture:
         return out
 
     def _hand_off(self, requests, positions, input_ids):
-        """Move this step's rows off the device without stalling the next forward, then queue them."""
+        """Queue this step's rows for the assembler (on CUDA: stacked on the device, for `_start_copy`)."""
         if positions is None or input_ids is None or positions.dim() != 1:
             raise CaptureError("the capture worker needs 1-D positions and token ids (no M-RoPE, no prompt embeds)")
         num_rows = max(end for _, _, end, _ in requests)
@@ -257,24 +259,42 @@ class _Capture:
                 raise CaptureError(f"captured {[tuple(s.shape) for s in states]} for {num_rows} rows "
                                    "(sequence-parallel layers are not supported)")
         self.slots.clear()
-        event = block = None
-        if self.is_cuda:
-            stacked = torch.stack(states) if states else None  # one copy to the host instead of L
-            self.copy_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.copy_stream):
-                for t in (positions, input_ids, stacked):
-                    if t is not None:
-                        t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
-                positions, input_ids = positions.to("cpu", non_blocking=True), input_ids.to("cpu", non_blocking=True)
-                if stacked is not None:
-                    block = self._take_pinned(stacked)
-                    host = block.buffer[: stacked.numel()].view(stacked.shape).copy_(stacked, non_blocking=True)
-                    states = list(host.unbind(0))
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
         self.stats["steps"] += 1
         self.stats["last_hand_off"] = time.monotonic()
-        self.work.put(("step", event, requests, positions, input_ids, states, block))
+        if not self.is_cuda:
+            self.work.put(("step", None, requests, positions, input_ids, states, None))
+            return
+        stacked = torch.stack(states) if states else None  # one copy to the host instead of L
+        computed = torch.cuda.Event()
+        computed.record()
+        self.pending_copy = (computed, requests, positions, input_ids, stacked)
+
+    def _start_copy(self):
+        """Launch the device-to-host copy of the last captured step, on its own stream.
+
+        Deferred from the step itself to the next forward pass or driver call: launched at once, a step's states
+        (512 MB for 16k tokens of Llama-8B) hold the device-to-host copy engine just when vLLM copies the step's
+        sampled tokens to the host, and vLLM's wait for those becomes a wait for ours while the GPU idles. Called
+        later, the copy runs beside the next forward pass, and vLLM has its sampled tokens already."""
+        if self.pending_copy is None:
+            return
+        computed, requests, positions, input_ids, stacked = self.pending_copy
+        self.pending_copy = None
+        block = None
+        self.copy_stream.wait_event(computed)
+        with torch.cuda.stream(self.copy_stream):
+            for t in (positions, input_ids, stacked):
+                if t is not None:
+                    t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
+            positions, input_ids = positions.to("cpu", non_blocking=True), input_ids.to("cpu", non_blocking=True)
+            states = None
+            if stacked is not None:
+                block = self._take_pinned(stacked)
+                host = block.buffer[: stacked.numel()].view(stacked.shape).copy_(stacked, non_blocking=True)
+                states = list(host.unbind(0))
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        self.work.put(("step", copied, requests, positions, input_ids, states, block))
 
     def _take_pinned(self, like: torch.Tensor) -> _PinnedBlock:
         """A pinned block from the pool (pinning memory per step is slow); when all are in use, waits for the
@@ -440,18 +460,21 @@ class _Capture:
                     loss_masks: list[list[int]]) -> dict:
         """Queue a shard's plan before its requests run; returns at once."""
         self._raise_failure()
+        self._start_copy()
         self.work.put(("begin", path, sample_ids, num_tokens, loss_masks))
         return {"queued": path}
 
     def end_shard(self, path: str) -> dict:
         """Queue the end of a shard behind the steps already captured; returns at once."""
         self._raise_failure()
+        self._start_copy()  # its last step
         self.work.put(("end", path))
         return {"queued": path}
 
     def poll(self, wait: bool) -> dict:
         """Shards that are done: {path: {"samples": {id: [tokens, ids crc]}, "sha256", "bytes"}} (the hash and
         size from the writer rank only). `wait` blocks until every ended shard is done."""
+        self._start_copy()
         if wait:
             self.work.join()
         self._raise_failure()
@@ -471,6 +494,7 @@ class _Capture:
     def discard(self) -> dict:
         """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts
         clean; their temp files are removed."""
+        self._start_copy()
         self.work.join()
         with self.sample_ready:
             self.stopping = True
