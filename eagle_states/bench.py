@@ -21,14 +21,20 @@ from eagle_states.engine import EngineHolder
 from eagle_states.extract import Extraction, ExtractionSettings
 
 
+def write_like_a_shard(path: Path, total_bytes: int, block) -> None:
+    """`total_bytes` of `block` repeated, written the way shards are (`contract.atomic_file`: streamed to the
+    disk as it goes, fsynced, renamed)."""
+    with contract.atomic_file(path) as f:
+        for _ in range(total_bytes // len(block)):
+            f.write(block)
+
+
 def disk_write_bandwidth(directory: Path, total_bytes: int = 2 << 30, block: int = 64 << 20) -> float:
-    """GB/s of a sequential write + fsync into `directory`, written the way shards are (`contract.atomic_file`,
-    streamed to the disk as it goes) but with nothing else running: the bound on the capture's write speed."""
-    probe, data = directory / ".bench-disk-probe", os.urandom(block)
+    """GB/s of a sequential write + fsync into `directory`, written the way shards are but with nothing else
+    running: the bound on the capture's write speed."""
+    probe = directory / ".bench-disk-probe"
     started = time.perf_counter()
-    with contract.atomic_file(probe) as f:
-        for _ in range(total_bytes // block):
-            f.write(data)
+    write_like_a_shard(probe, total_bytes, os.urandom(block))
     elapsed = time.perf_counter() - started
     probe.unlink()
     return total_bytes / elapsed / 1e9
@@ -132,7 +138,7 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
         # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
-        # the engine's time between forward passes (compared with plain prefill's)
+        # the device's time in and between forward passes (compared with plain prefill's)
         return {"capture_s": ended - t0, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
                 "setup_s": setup_s, "forward_stalled_s": after["pinned_wait_s"] - before["pinned_wait_s"],
                 "drain_s": ended - after["last_hand_off"], **steps("capture", before, after)}

@@ -191,7 +191,8 @@ class CaptureEngine:
     def capture_stats(self) -> dict:
         """The writer rank's counters: captured steps, rows, decode rows dropped, seconds the forward pass waited
         for host buffers (back-pressure from writing), the monotonic time of the last captured step, and all
-        forward passes with the engine's time between them (counted afresh after each call)."""
+        forward passes with the device's time in them and idle between them (the gap before the first pass after
+        each call is not counted)."""
         return self._rpc("eagle_stats")
 
     def reset(self, request_ids: list[str] = ()):

@@ -15,8 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import numpy as np
-
 from eagle_states import contract
 from eagle_states.engine import CaptureEngine, EngineHolder, EngineSettings, InputSample, ShardJob, ShardResult
 
@@ -59,15 +57,11 @@ def _check_row(row: dict, where: str, vocab_size: int, max_tokens: int) -> Input
         contract.check_sample_id(sample_id)
     except ValueError as exc:
         raise InputError(f"{where}: {exc}") from None
-    # checked with whole-list operations (set of types, numpy min/max): a run reads millions of token ids
+    # checked with whole-list operations (set of types, min, max): a run reads millions of token ids
     ids = row.get("input_ids")
     if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}:
         raise InputError(f"{where} (id {sample_id}): 'input_ids' must be a non-empty list of integers")
-    try:
-        outside = np.flatnonzero(np.asarray(ids, dtype=np.int64) >= vocab_size) if min(ids) >= 0 else None
-    except OverflowError:
-        outside = None
-    if outside is None or len(outside):
+    if min(ids) < 0 or max(ids) >= vocab_size:
         bad = [t for t in ids if not 0 <= t < vocab_size]
         raise InputError(f"{where} (id {sample_id}): token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
     if len(ids) > max_tokens:

@@ -100,6 +100,9 @@ class _ForwardClock:
         self.pending.append((start, end))
         self.settle(wait=False)
 
+    def _seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start  # CUDA events measure in ms
+
     def settle(self, wait: bool):
         while self.pending:
             start, end = self.pending[0]
@@ -108,14 +111,11 @@ class _ForwardClock:
                     end.synchronize()
                 elif not end.query():
                     return
-                span = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731 (ms on the device)
-            else:
-                span = lambda a, b: b - a  # noqa: E731
             self.pending.popleft()
             self.forwards += 1
-            self.forward_s += span(start, end)
+            self.forward_s += self._seconds(start, end)
             if self.previous_end is not None:
-                self.between_s += span(self.previous_end, start)
+                self.between_s += self._seconds(self.previous_end, start)
             self.previous_end = end
 
     def restart(self):
@@ -273,9 +273,9 @@ class _Capture:
         """Launch the device-to-host copy of the last captured step, on its own stream.
 
         Deferred from the step itself to the next forward pass or driver call: launched at once, a step's states
-        (512 MB for 16k tokens of Llama-8B) hold the device-to-host copy engine just when vLLM copies the step's
-        sampled tokens to the host, and vLLM's wait for those becomes a wait for ours while the GPU idles. Called
-        later, the copy runs beside the next forward pass, and vLLM has its sampled tokens already."""
+        (512 MB for 16k tokens of Llama-8B) would hold the device-to-host copy engine just when vLLM copies the
+        step's sampled tokens to the host, and vLLM, waiting for those, could wait for ours while the GPU idles.
+        Deferred, the copy runs beside the next forward pass (measured effect small: bench/RESULTS.md, run 6)."""
         if self.pending_copy is None:
             return
         computed, requests, positions, input_ids, stacked = self.pending_copy
@@ -415,21 +415,22 @@ class _Capture:
     def _write_shard(self, path: str, shard: dict) -> tuple[str, int]:
         try:
             order = contract.shard_sample_order(shard["samples"])
-            sample = self._take_complete(order[0])
+            first = self._take_complete(order[0])
             try:
-                like = sample["chunks"][0][0]  # the stream's dtype and width, from the first captured piece
+                like = first["chunks"][0][0]  # the stream's dtype and width, from the first captured piece
                 specs = {}
                 for sid in order:
                     specs.update(contract.sample_tensor_specs(sid, shard["num_tokens"][sid], len(self.layer_ids),
                                                               like.shape[-1], like.dtype))
                 with contract.ShardFileWriter(Path(path), specs) as out:
-                    for i, sid in enumerate(order):
-                        if i:
-                            sample = self._take_complete(sid)
-                        self._write_sample(out, sid, sample, shard["loss_masks"][sid])
-                        sample = self._forget(sample)
+                    for sid in order:
+                        sample = first if sid == order[0] else self._take_complete(sid)
+                        try:
+                            self._write_sample(out, sid, sample, shard["loss_masks"][sid])
+                        finally:
+                            self._forget(sample)
             finally:
-                self._forget(sample)
+                self._forget(first)  # a no-op once written; gives it back when the file could not be opened
             return out.sha256, out.size
         finally:
             self.write_slots.release()
@@ -444,9 +445,9 @@ class _Capture:
         for name in sorted(tensors):
             out.write(name, tensors[name])
 
-    def _forget(self, sample: dict | None) -> None:
-        """Hand a written (or abandoned) sample's pinned blocks back; returns None for the caller's variable."""
-        if sample is not None and sample["chunks"] is not None:
+    def _forget(self, sample: dict) -> None:
+        """Hand a written (or abandoned) sample's pinned blocks back, once."""
+        if sample["chunks"] is not None:
             sample["chunks"] = None
             self._release(sample["blocks"])
 
@@ -557,8 +558,8 @@ class CaptureWorkerExtension:
         time in them and idle between them); the next gap is counted from the next pass on (a caller reads the
         stats before and after what it measures, and the idle time before it is not counted)."""
         cap: _Capture = self._eagle_capture
-        cap.clock.restart()
         clock = cap.clock
+        clock.restart()
         return self._eagle_reply({**cap.stats, "forwards": clock.forwards, "forward_s": clock.forward_s,
                                   "between_forwards_s": clock.between_s})
 
