@@ -76,6 +76,26 @@ def ids_crc(input_ids: list[int]) -> int:
     return zlib.crc32(np.asarray(input_ids, dtype=np.int32).tobytes())
 
 
+def first_step_fits_beside(running: list[InputSample], samples: list[InputSample], settings: EngineSettings,
+                           kv_cache: dict) -> bool:
+    """Whether the scheduler's first step of `samples` (admitted in this order, first come first served) is the
+    same with the `running` requests still in the engine as without them: running requests count against
+    `max_num_seqs` and hold KV cache blocks. Counted conservatively: whole prompts, and one block more per
+    request and KV cache group. `kv_cache`: the worker's kv_cache_blocks, kv_cache_groups, kv_block_tokens."""
+    budget, first = settings.max_num_batched_tokens, []
+    for sample in samples:
+        if budget <= 0 or len(first) == settings.max_num_seqs:
+            break
+        first.append(sample)
+        budget -= len(sample.input_ids)
+
+    def blocks(group: list[InputSample]) -> int:
+        per_block = kv_cache["kv_block_tokens"]
+        return kv_cache["kv_cache_groups"] * sum(-(-len(x.input_ids) // per_block) + 1 for x in group)
+    return (len(running) + len(first) <= settings.max_num_seqs
+            and blocks(running) + blocks(first) < kv_cache["kv_cache_blocks"])  # block 0 is vLLM's null block
+
+
 class CaptureEngine:
     """One loaded model with hooks installed. Create it once; every shard and retry reuses it."""
 
@@ -107,6 +127,7 @@ class CaptureEngine:
         self.world_size = settings.tensor_parallel_size
         setup = self._rpc("eagle_setup", list(settings.layer_ids), settings.write_threads)
         self.num_layers, self.hidden_size = setup["num_layers"], setup["hidden_size"]
+        self.kv_cache = {k: setup[k] for k in ("kv_cache_blocks", "kv_cache_groups", "kv_block_tokens")}
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self._request_counter = 0
         self._queued: dict[str, ShardJob] = {}  # shard path -> job whose file is being written
@@ -130,20 +151,21 @@ class CaptureEngine:
     def extract(self, jobs: Iterable[ShardJob]) -> Iterator[ShardResult]:
         """Capture every job's samples; yields each shard once its file is on disk.
 
-        One shard's requests are in the engine at a time, so a shard's batches depend on its own samples only and
-        its bytes do not depend on which shards ran beside it (resume, several engines, Prefect or DVC all give
-        the same files). The workers write a shard's samples as they are captured, overlapping its own later steps
-        and the next shards' steps.
+        A step holds rows of one shard only, so a shard's batches depend on its own samples and its bytes do not
+        depend on which shards ran beside it (resume, several engines, Prefect or DVC all give the same files).
+        The next shard is admitted once the current one's last rows are launched, not once they are done: with
+        vLLM's asynchronous scheduling its first step is then queued behind the current shard's last one and the
+        GPU does not wait for the host at a shard boundary. The current shard's finishing requests are skipped
+        by the scheduler but still count against `max_num_seqs` and hold KV cache blocks, so the next shard is
+        admitted early only where they cannot change its first step (`first_step_fits_beside`). The workers write a
+        shard's samples as they are captured, overlapping its own later steps and the next shards' steps.
         """
-        engine = self.llm.llm_engine
-        owner: set[str] = set()  # request ids of the shard in the engine
+        in_flight: dict[str, InputSample] = {}  # request id -> its sample, until the engine finishes it
         try:
-            for job in jobs:
-                if not job.samples:
-                    raise ValueError(f"shard {job.name} has no samples")
-                # in the file's order, so that samples are captured in the order the workers write them
-                by_id = {s.sample_id: s for s in job.samples}
-                samples = [by_id[sid] for sid in contract.shard_sample_order(list(by_id))]
+            jobs = iter(jobs)
+            job = next(jobs, None)
+            while job is not None:
+                samples = self._in_file_order(job)
                 self._rpc("eagle_begin_shard", str(job.path), [s.sample_id for s in samples],
                           [len(s.input_ids) for s in samples], [s.loss_mask for s in samples])
                 self._queued[str(job.path)] = job
@@ -151,25 +173,49 @@ class CaptureEngine:
                 for sample in samples:
                     self._request_counter += 1
                     request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
-                    engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
-                                       self._sampling_params(sample.sample_id))
-                    owner.add(request_id)
-                while owner:
-                    for output in engine.step():
-                        if output.finished:
-                            owner.discard(output.request_id)
-                    yield from self._collect(wait=False)
+                    self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
+                                                    self._sampling_params(sample.sample_id))
+                    in_flight[request_id] = sample
+                unlaunched = {s.sample_id for s in samples}
+                while unlaunched:
+                    yield from self._step(in_flight, unlaunched)
                 self._rpc("eagle_end_shard", str(job.path))  # returns at once: the workers finish writing it
+                job = next(jobs, None)
+                while job is not None and in_flight and not first_step_fits_beside(
+                        list(in_flight.values()), self._in_file_order(job), self.settings, self.kv_cache):
+                    yield from self._step(in_flight, set())
+            while in_flight:
+                yield from self._step(in_flight, set())
             yield from self._collect(wait=True)
         except BaseException:
-            self.reset(list(owner))
+            self.reset(list(in_flight))
             raise
 
-    def _collect(self, wait: bool) -> Iterator[ShardResult]:
-        """Shards every rank has reported (the writer with the file's hash), checked against the prompts."""
+    @staticmethod
+    def _in_file_order(job: ShardJob) -> list[InputSample]:
+        """A shard's samples in its file's order: admitted so, they are captured in the order they are written."""
+        by_id = {s.sample_id: s for s in job.samples}
+        return [by_id[sid] for sid in contract.shard_sample_order(list(by_id))]
+
+    def _step(self, in_flight: dict[str, InputSample], unlaunched: set[str]) -> Iterator[ShardResult]:
+        """One engine step; forgets finished requests and launched samples, yields the shards written since."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            raise CaptureError(f"the engine has no unfinished request, but {len(in_flight)} of ours never finished "
+                               f"and the capture worker never saw the last rows of samples {sorted(unlaunched)[:5]}")
+        for output in engine.step():
+            if output.finished:
+                in_flight.pop(output.request_id, None)
+        yield from self._collect(wait=False, unlaunched=unlaunched)
+
+    def _collect(self, wait: bool, unlaunched: set[str] | None = None) -> Iterator[ShardResult]:
+        """Shards every rank has reported (the writer with the file's hash), checked against the prompts; samples
+        the writer rank saw launched leave `unlaunched`."""
         if not self._queued:
             return
         for reply in self._rpc_all("eagle_poll", wait):
+            if reply["writer"] and unlaunched is not None:
+                unlaunched.difference_update(reply["payload"]["launched"])
             for path, report in reply["payload"]["shards"].items():
                 self._reports[path][reply["rank"]] = report
         for path in list(self._queued):

