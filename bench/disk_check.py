@@ -1,10 +1,11 @@
-"""The device disk's write bandwidth by method: buffered and streamed to the disk as it goes (how shards are
-written, `contract.atomic_file`), and O_DIRECT (page cache bypassed), each with 1 and 4 files in parallel.
+"""The device disk's write bandwidth by method, each with 1 and 4 files in parallel, through
+`contract.atomic_file`: buffered and streamed to the disk as it goes (how small files are written), and O_DIRECT
+(page cache bypassed: how shards are written).
 
     python3 bench/disk_check.py DIR [GiB per method, default 8]
 """
 
-import mmap
+import functools
 import os
 import sys
 import threading
@@ -17,22 +18,8 @@ from eagle_states.bench import write_like_a_shard  # noqa: E402
 BLOCK = 64 << 20
 
 
-def direct(path: Path, nbytes: int, data: mmap.mmap):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    try:
-        for _ in range(nbytes // BLOCK):
-            os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def measure(method, directory: Path, total: int, streams: int) -> float:
-    buffers = []
-    for _ in range(streams):
-        m = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
-        m.write(os.urandom(BLOCK))
-        buffers.append(m)
+    buffers = [os.urandom(BLOCK) for _ in range(streams)]
     threads = [threading.Thread(target=method, args=(directory / f"probe-{i}", total // streams, buffers[i]))
                for i in range(streams)]
     started = time.perf_counter()
@@ -50,7 +37,7 @@ if __name__ == "__main__":
     directory = Path(sys.argv[1])
     directory.mkdir(parents=True, exist_ok=True)
     total = int(float(sys.argv[2] if len(sys.argv) > 2 else 8) * 2**30)
-    methods = {"buffered": write_like_a_shard, "direct": direct}
+    methods = {"buffered": functools.partial(write_like_a_shard, direct=False), "direct": write_like_a_shard}
     for name in ("buffered", "direct", "buffered", "direct"):
         for streams in (1, 4):
             print(f"DISK {name:8s} {streams} stream(s): {measure(methods[name], directory, total, streams):.2f} GB/s",

@@ -21,10 +21,10 @@ from eagle_states.engine import EngineHolder
 from eagle_states.extract import Extraction, ExtractionSettings
 
 
-def write_like_a_shard(path: Path, total_bytes: int, block) -> None:
-    """`total_bytes` of `block` repeated, written the way shards are (`contract.atomic_file`: streamed to the
-    disk as it goes, fsynced, renamed)."""
-    with contract.atomic_file(path) as f:
+def write_like_a_shard(path: Path, total_bytes: int, block, direct: bool = True) -> None:
+    """`total_bytes` of `block` repeated, written the way shards are (`contract.atomic_file`: past the page cache
+    where the filesystem allows, fsynced, renamed); `direct=False`: buffered and streamed to the disk as it goes."""
+    with contract.atomic_file(path, direct=direct) as f:
         for _ in range(total_bytes // len(block)):
             f.write(block)
 

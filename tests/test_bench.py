@@ -82,3 +82,26 @@ def test_a_failed_write_leaves_nothing(tmp_path):
             f.write(b"x" * 100)
             raise RuntimeError("writer died")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_direct_file_writes_every_byte_across_buffers_and_an_unaligned_tail(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform (shards are written buffered there)")
+    monkeypatch.setattr(contract.DirectFile, "CHUNK", 2 * contract.DirectFile.ALIGN)  # switch buffers often
+    pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536, 8192, 3)]
+    pieces.append(torch.arange(5000, dtype=torch.int32).view(torch.uint8).numpy())
+    with contract.atomic_file(tmp_path / "f.bin", direct=True) as f:
+        assert isinstance(f, contract.DirectFile), "this filesystem refused O_DIRECT"
+        for piece in pieces:
+            f.write(piece)
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+    assert (tmp_path / "f.bin").read_bytes() == expected
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_a_failed_direct_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with contract.atomic_file(tmp_path / "f.bin", direct=True) as f:
+            f.write(os.urandom(contract.DirectFile.CHUNK + 100))  # one buffer on its way to the disk
+            raise RuntimeError("writer died")
+    assert list(tmp_path.iterdir()) == []
