@@ -184,9 +184,10 @@ class DirectFile:
     one filling while a helper thread writes the other to the disk; `finish` writes the last, partial block
     padded and truncates the file to its length.
 
-    On the H200 machine's disk one stream wrote 2.13 GB/s this way against 0.92-1.66 GB/s buffered and streamed
-    (bench/disk_check.py), and a minute-long capture left about 4 GB to write after its last forward pass when
-    buffered (bench/RESULTS.md). Copies into the buffers go through numpy, which releases the GIL for them.
+    One stream writes faster this way (bench/disk_check.py: 1.83-2.13 against 0.92-1.72 GB/s buffered and
+    streamed on the H200 machine's disk, 2.6-3.0 against 0.4 GB/s on a 2-core CI machine), and shards, written
+    once and read later, do not fill the page cache. Copies into the buffers go through numpy, which releases the
+    GIL for them.
     """
 
     ALIGN = 4096  # the largest logical block size O_DIRECT asks of offsets, lengths and addresses

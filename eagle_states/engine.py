@@ -165,6 +165,8 @@ class CaptureEngine:
             jobs = iter(jobs)
             job = next(jobs, None)
             while job is not None:
+                if not job.samples:
+                    raise ValueError(f"shard {job.name} has no samples")
                 samples = self._in_file_order(job)
                 self._rpc("eagle_begin_shard", str(job.path), [s.sample_id for s in samples],
                           [len(s.input_ids) for s in samples], [s.loss_mask for s in samples])
