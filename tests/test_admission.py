@@ -12,9 +12,8 @@ def samples(*lengths: int) -> list[InputSample]:
     return [InputSample(f"s{i}", [5] * n, [1] * n, i) for i, n in enumerate(lengths)]
 
 
-def settings(max_num_seqs: int = 8, max_num_batched_tokens: int = 256) -> EngineSettings:
-    return EngineSettings(model="m", layer_ids=(1,), max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
+def settings() -> EngineSettings:
+    return EngineSettings(model="m", layer_ids=(1,), max_num_seqs=8, max_num_batched_tokens=256)
 
 
 def test_a_first_step_with_room_for_the_running_requests_fits():
