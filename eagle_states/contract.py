@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import tempfile
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 FORMAT_NAME = "eagle-states"
@@ -194,10 +196,6 @@ class DirectFile:
     CHUNK = 32 << 20
 
     def __init__(self, fd: int):
-        import mmap
-
-        import numpy as np
-
         self.fd = fd
         self.buffers = [np.frombuffer(mmap.mmap(-1, self.CHUNK), np.uint8) for _ in range(2)]  # page-aligned
         self.pending = [None, None]  # the helper's write of each buffer, until it is done
@@ -214,8 +212,6 @@ class DirectFile:
 
     def write(self, data) -> None:
         """Write all of `data` (bytes, memoryview or a contiguous numpy array)."""
-        import numpy as np
-
         src = np.frombuffer(data, np.uint8)
         while src.size:
             n = min(src.size, self.CHUNK - self.fill)
