@@ -1,5 +1,5 @@
 """The device disk's write bandwidth by method, each with 1 and 4 files in parallel, through
-`contract.atomic_file`: buffered and streamed to the disk as it goes (how small files are written), and O_DIRECT
+`dataset.files.atomic_file`: buffered and streamed to the disk as it goes (how small files are written), and O_DIRECT
 (page cache bypassed: how shards are written).
 
     python3 bench/disk_check.py DIR [GiB per method, default 8]

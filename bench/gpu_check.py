@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import random_prompts, write_prompt_jsonl  # noqa: E402
-from reference import hf_states, load_hf, rel_error  # noqa: E402
+from helpers import extraction_params, hf_states, load_hf, random_prompts, rel_error, write_prompt_jsonl  # noqa: E402
 
-from eagle_states import contract  # noqa: E402
-from eagle_states.demo_model import make_demo_model  # noqa: E402
-from eagle_states.engine import EngineHolder  # noqa: E402
-from eagle_states.extract import ExtractionSettings, run_extraction  # noqa: E402
+from eagle_states.capture.engine import EngineHolder  # noqa: E402
+from eagle_states.dataset.layout import receipt_path, shard_path  # noqa: E402
+from eagle_states.dataset.reader import Dataset  # noqa: E402
+from eagle_states.demo import make_demo_model  # noqa: E402
+from eagle_states.extraction.driver import Extraction, run_extraction  # noqa: E402
 
 if __name__ == "__main__":
     work = Path(sys.argv[1])
@@ -28,23 +28,23 @@ if __name__ == "__main__":
     prompts = random_prompts([1, 2, 5, 17, 63, 64, 65, 130, 200, 257, 40, 40, 9, 100, 33, 3, 700, 1500], 500, seed=1)
     source = write_prompt_jsonl(work / "prompts.jsonl", prompts)
     layers = [0, 2, 4, 5, 8]
-    settings = ExtractionSettings(model=model, layer_ids=layers, dtype="bfloat16", shard_max_tokens=400,
-                                  max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=16,
-                                  gpu_memory_utilization=0.3)
+    params = extraction_params(model, source, work / "dataset", layer_ids=layers, dtype="bfloat16",
+                               shard_max_tokens=512, max_model_len=2048, max_num_batched_tokens=256,
+                               max_num_seqs=16, gpu_memory_utilization=0.3)
     engines = EngineHolder()
-    manifest = run_extraction(settings, source, work / "dataset", progress=False, engines=engines)
+    manifest = run_extraction(Extraction(params), progress=False, engines=engines)
     again = manifest["shards"][1::2]
     for shard in again:
-        contract.shard_path(work / "dataset", shard["name"]).unlink()
-        contract.receipt_path(work / "dataset", shard["name"]).unlink()
-    recomputed = {s["name"]: s["sha256"] for s in run_extraction(settings, source, work / "dataset", progress=False,
+        shard_path(work / "dataset", shard["name"]).unlink()
+        receipt_path(work / "dataset", shard["name"]).unlink()
+    recomputed = {s["name"]: s["sha256"] for s in run_extraction(Extraction(params), progress=False,
                                                                   engines=engines)["shards"]}
     engines.close()
     changed = [s["name"] for s in again if recomputed[s["name"]] != s["sha256"]]
     exact = load_hf(model, torch.float32).cuda()
     own = load_hf(model, torch.bfloat16).cuda()
     worst_ratio, failures = 0.0, 0
-    for sample, prompt in zip(contract.Dataset(work / "dataset"), prompts):
+    for sample, prompt in zip(Dataset(work / "dataset"), prompts):
         assert sample.input_ids.tolist() == prompt and len(sample.hidden_states) == len(layers)
         ref = [t.cpu() for t in hf_states(exact, prompt, layers)]
         ref_bf16 = [t.cpu() for t in hf_states(own, prompt, layers)]

@@ -16,15 +16,17 @@ import statistics
 import time
 from pathlib import Path
 
-from eagle_states import contract
-from eagle_states.engine import EngineHolder
-from eagle_states.extract import Extraction, ExtractionSettings
+from eagle_states.capture.engine import EngineHolder
+from eagle_states.config import PipelineParams
+from eagle_states.dataset.files import atomic_file
+from eagle_states.dataset.layout import shard_path
+from eagle_states.extraction.driver import Extraction
 
 
 def write_like_a_shard(path: Path, total_bytes: int, block, direct: bool = True) -> None:
-    """`total_bytes` of `block` repeated, written the way shards are (`contract.atomic_file`: past the page cache
+    """`total_bytes` of `block` repeated, written the way shards are (`files.atomic_file`: past the page cache
     where the filesystem allows, fsynced, renamed); `direct=False`: buffered and streamed to the disk as it goes."""
-    with contract.atomic_file(path, direct=direct) as f:
+    with atomic_file(path, direct=direct) as f:
         for _ in range(total_bytes // len(block)):
             f.write(block)
 
@@ -68,25 +70,18 @@ def _peak_gpu_bytes() -> int | None:
         return None
 
 
-def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: int, layer_ids="eagle3",
-                  rounds: int = 3, dtype: str = "auto", max_num_batched_tokens: int = 8192,
-                  max_num_seqs: int = 64, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                  shard_max_tokens: int = 32768, write_threads: int = 4, seed: int = 0,
-                  disk_probe_bytes: int = 2 << 30, free_written: bool = False) -> dict:
+def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, prompt_len: int, rounds: int,
+                  disk_probe_bytes: int, free_written: bool = False, seed: int = 0) -> dict:
+    """`params`: the model and the extract settings (the bench's own prompts replace the input)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    from vllm import SamplingParams
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = ExtractionSettings(model=Path(model), layer_ids=layer_ids, dtype=dtype,
-                                  shard_max_tokens=shard_max_tokens, write_threads=write_threads,
-                                  max_model_len=max_model_len or prompt_len + 16,
-                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                  gpu_memory_utilization=gpu_memory_utilization)
+    model = Path(params.model.path)
+    e = params.extract
     rng = random.Random(seed)
-    vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
+    vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 1000)
     prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
     rows = [json.dumps({"id": f"b{i:06d}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)]
     source, warm_source = out_dir / "prompts.jsonl", out_dir / "warm-up.jsonl"
@@ -94,29 +89,31 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
     warm_source.write_text("".join(rows[: max(1, num_prompts // 8)]))
     tokens = num_prompts * prompt_len
 
+    def extraction_of(src: Path, target: Path) -> Extraction:
+        return Extraction(params.override({"extract.input": str(src), "output.dir": str(target)}))
+
     holder = EngineHolder()
     started = time.perf_counter()
-    extraction = Extraction(settings, source, out_dir / "dataset")
+    extraction = extraction_of(source, out_dir / "dataset")
     engine = holder(extraction.engine_settings())
     engine_start_s = time.perf_counter() - started
-    plain_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    requests = [{"prompt_token_ids": p} for p in prompts]
     # Warm both paths on an eighth of the prompts (allocator, pinned host buffers, writer threads, page cache)
     # before anything is timed.
-    engine.llm.generate(requests[: max(1, num_prompts // 8)], plain_params, use_tqdm=False)
-    Extraction(settings, warm_source, out_dir / "warm-up").run(holder)
+    engine.plain_prefill(prompts[: max(1, num_prompts // 8)])
+    extraction_of(warm_source, out_dir / "warm-up").run(holder)
     shutil.rmtree(out_dir / "warm-up")
     target = out_dir / "dataset"
 
     def steps(mode: str, before: dict, after: dict) -> dict:
         """Forward passes in a run, the device's time in them, and its idle time between them (scheduling,
         sampling, and in capture mode the shard boundaries and anything else that holds up the engine's loop)."""
-        return {f"{mode}_{key}": after[key] - before[key] for key in ("forwards", "forward_s", "between_forwards_s")}
+        return {f"{mode}_{key}": getattr(after, key) - getattr(before, key)
+                for key in ("forwards", "forward_s", "between_forwards_s")}
 
     def plain() -> dict:
         before = engine.capture_stats()
         t0 = time.monotonic()
-        engine.llm.generate(requests, plain_params, use_tqdm=False)
+        engine.plain_prefill(prompts)
         plain_s = time.monotonic() - t0
         return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats())}
 
@@ -124,12 +121,12 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         shutil.rmtree(target, ignore_errors=True)
         before = engine.capture_stats()
         t0 = time.monotonic()
-        extraction_round = Extraction(settings, source, target)  # reads and hashes the input, plans shards
+        extraction_round = extraction_of(source, target)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
         freed = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-free") as freeing:
             def free(shard, cached):
-                freed.append(freeing.submit(free_disk_blocks, contract.shard_path(target, shard.name)))
+                freed.append(freeing.submit(free_disk_blocks, shard_path(target, shard.name)))
             manifest = extraction_round.run(holder, free if free_written else None)
             ended = time.monotonic()
         for done in freed:
@@ -140,8 +137,8 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
         # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
         # the device's time in and between forward passes (compared with plain prefill's)
         return {"capture_s": ended - t0, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
-                "setup_s": setup_s, "forward_stalled_s": after["pinned_wait_s"] - before["pinned_wait_s"],
-                "drain_s": ended - after["last_hand_off"], **steps("capture", before, after)}
+                "setup_s": setup_s, "forward_stalled_s": after.pinned_wait_s - before.pinned_wait_s,
+                "drain_s": ended - after.last_hand_off, **steps("capture", before, after)}
 
     rounds_out = []
     try:
@@ -170,10 +167,10 @@ def run_benchmark(model: Path, out_dir: Path, *, num_prompts: int, prompt_len: i
     ratio = statistics.median(r["ratio"] for r in rounds_out)
     result = {
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
-        "layer_ids": extraction.layer_ids, "dtype": extraction.dtype, "hidden_size": extraction.model["hidden_size"],
+        "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype, "hidden_size": extraction.model["hidden_size"],
         "bytes_per_token": 4 if extraction.dtype == "float32" else 2,
-        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
-        "shard_max_tokens": shard_max_tokens, "write_threads": write_threads, "free_written": free_written,
+        "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
+        "shard_max_tokens": e.shard_max_tokens, "write_threads": e.write_threads, "free_written": free_written,
         "rounds": rounds_out,
         "plain_tok_s_median": statistics.median(r["plain_tok_s"] for r in rounds_out),
         "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),

@@ -1,32 +1,40 @@
-"""`eagle-states` command line. Flags override params.yaml; each command calls the same function as its
-Prefect task and DVC stage."""
+"""`eagle-states` command line: parse the flags, load the parameters (params.yaml, then the flags), call one
+stage (`eagle_states.stages`) and print its result. The Prefect tasks and the DVC stages go through the same
+stages."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from eagle_states.params import load_params
+from eagle_states.config import ExtractParams, PipelineParams, load_params
+
+FORMATS = ["speculators", "speculators-legacy", "specforge"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
-def _overrides(args) -> dict:
-    out = {}
+def _load(args, **overrides) -> PipelineParams:
+    """params.yaml (or --params), then the flags every command shares, then the command's own `overrides`."""
+    shared = {}
     if getattr(args, "model", None):
-        out["model.path"], out["model.build_demo_if_missing"] = args.model, False
+        shared["model.path"], shared["model.build_demo_if_missing"] = args.model, False
     if getattr(args, "data", None):
-        out["data.path"], out["data.build_demo_if_missing"] = args.data, False
+        shared["data.path"], shared["data.build_demo_if_missing"] = args.data, False
     for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            out[key] = value
-    return out
+        shared[key] = getattr(args, flag, None)
+    return load_params(args.params, {**shared, **overrides})
+
+
+def _print(result) -> None:
+    print(json.dumps(dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result))
 
 
 def cmd_make_demo_model(args) -> int:
-    from eagle_states.demo_model import make_demo_model
+    from eagle_states.demo import make_demo_model
 
     make_demo_model(Path(args.dir), seed=args.seed, arch=args.arch, num_layers=args.layers,
                     hidden_size=args.hidden, num_heads=args.hidden // 64, device=args.device)
@@ -34,50 +42,37 @@ def cmd_make_demo_model(args) -> int:
     return 0
 
 
-def cmd_extract(args) -> int:
-    from eagle_states.extract import run_extraction
-    from eagle_states.pipeline import extraction_settings
+def cmd_inputs(args) -> int:
+    from eagle_states import stages
 
-    overrides = _overrides(args)
-    overrides["output.dir"] = args.out
-    params = load_params(args.params, overrides)
-    if not (Path(params.model.path) / "config.json").exists():
-        raise FileNotFoundError(f"model directory {params.model.path} has no config.json")
-    if params.extract.data_parallel_size > 1:
-        from eagle_states.parallel import run_data_parallel
-
-        manifest = run_data_parallel(extraction_settings(params), Path(params.extract_input),
-                                     Path(params.output.dir), params.extract.data_parallel_size,
-                                     params.extract.gpu_ids)
-    else:
-        manifest = run_extraction(extraction_settings(params), Path(params.extract_input), Path(params.output.dir),
-                                  progress=not args.no_progress)
-    print(json.dumps({k: manifest[k] for k in ("num_samples", "num_tokens", "layer_ids", "dtype")}))
-    print(f"dataset written to {params.output.dir}")
+    stages.inputs(_load(args), Path(args.record))
     return 0
 
 
 def cmd_prepare(args) -> int:
-    from eagle_states.pipeline import prepare_step
+    from eagle_states import stages
 
-    overrides = _overrides(args)
-    overrides["prepare.out"] = args.out
-    overrides["data.format"] = args.format
-    params = load_params(args.params, overrides)
-    report = prepare_step(params, progress=not args.no_progress)
-    print(json.dumps({k: report[k] for k in ("format", "rows_read", "rows_written", "rows_skipped",
-                                             "skipped_by_reason")}))
+    _print(stages.prepare(_load(args, **{"prepare.out": args.prepared_out, "data.format": args.format}),
+                          progress=not args.no_progress))
+    return 0
+
+
+def cmd_extract(args) -> int:
+    from eagle_states import stages
+
+    params = _load(args, **{"output.dir": args.out})
+    _print(stages.extract(params, progress=not args.no_progress))
+    print(f"dataset written to {params.output.dir}")
     return 0
 
 
 def cmd_validate(args) -> int:
-    from eagle_states.validate import validate_dataset
+    from eagle_states import stages
+    from eagle_states.validate import failures_path
 
-    params = load_params(args.params, {"output.dir": args.dir, "validate.report": args.report})
+    params = _load(args, **{"output.dir": args.dir, "extract.input": args.prepared, "validate.report": args.report})
     try:
-        result = validate_dataset(Path(params.output.dir), Path(args.prepared) if args.prepared else None,
-                                  min_loss_tokens=params.validate_.min_loss_tokens,
-                                  report=Path(params.validate_.report))
+        result = stages.validate(params)
     except (OSError, ValueError, KeyError) as exc:
         print(f"eagle-states validate: could not run: {exc}", file=sys.stderr)
         return 2
@@ -85,168 +80,175 @@ def cmd_validate(args) -> int:
         print(json.dumps(result.summary))
         return 0
     print(result.failures.to_string(index=False, max_rows=50), file=sys.stderr)
-    from eagle_states.validate import failures_path
-
     print(f"INVALID: {len(result.failures)} failures (all listed in {failures_path(params.validate_.report)})",
           file=sys.stderr)
     return 1
 
 
-def cmd_bench(args) -> int:
-    from eagle_states.bench import format_result, run_benchmark
+def cmd_export(args) -> int:
+    from eagle_states import stages
 
-    result = run_benchmark(Path(args.model), Path(args.out), num_prompts=args.prompts, prompt_len=args.prompt_len,
-                           layer_ids=args.layer_ids, rounds=args.rounds, dtype=args.dtype,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           gpu_memory_utilization=args.gpu_memory_utilization,
-                           shard_max_tokens=args.shard_max_tokens, write_threads=args.write_threads,
-                           disk_probe_bytes=int(args.disk_probe_gb * 2**30), free_written=args.free_written)
-    print(format_result(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    params = _load(args, **{"output.dir": args.dir, "export.out": None if args.format else args.out})
+    outcomes = [stages.export(params, args.format, Path(args.out) if args.out else None,
+                              progress=not args.no_progress)] if args.format else \
+        stages.export_all(params, progress=not args.no_progress)
+    for outcome in outcomes:
+        _print(outcome)
     return 0
+
+
+def cmd_publish(args) -> int:
+    from eagle_states import stages
+
+    params = _load(args, **{"output.dir": args.dir, "publish.push": False if args.no_push else None})
+    outcome = stages.publish(params)
+    _print(outcome)
+    return 0 if outcome.pushed or not params.publish.push else 3
 
 
 def cmd_run(args) -> int:
     import os
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # avoids a SQLite lock at server start
-    overrides = _overrides(args)
-    overrides["output.dir"] = args.out
-    params = load_params(args.params, overrides)
+    params = _load(args, **{"output.dir": args.out})
     from flows.extract_hidden_states import extract_hidden_states
 
     result = extract_hidden_states(params=params)
-    print(json.dumps({"dataset": result["dataset"], "samples": result["manifest"]["num_samples"],
-                      "tokens": result["manifest"]["num_tokens"], "layer_ids": result["manifest"]["layer_ids"],
+    print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
+                      "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
                       "cache_hits": result["cache_hits"], "computed": result["computed"],
                       "valid": result["validation"]["valid"]}))
     return 0
 
 
-def cmd_inputs(args) -> int:
-    from eagle_states.pipeline import record_inputs
+def cmd_bench(args) -> int:
+    from eagle_states.bench import format_result, run_benchmark
 
-    params = load_params(args.params)
-    record_inputs(params, Path(args.out))
-    return 0
-
-
-def cmd_publish(args) -> int:
-    from eagle_states.publish import publish
-
-    params = load_params(args.params, {"output.dir": args.dir})
-    result = publish(Path("."), Path(params.output.dir), Path(params.validate_.report), push=not args.no_push,
-                     push_retries=params.publish.push_retries)
-    print(json.dumps(result))
-    return 0 if result["pushed"] or args.no_push else 3
-
-
-def cmd_export(args) -> int:
-    from eagle_states.export import export_dataset
-
-    params = load_params(args.params, {"output.dir": args.dir})
-    formats = [args.format] if args.format else params.export.formats
-    if not args.format:
-        Path(args.out or params.export.out).mkdir(parents=True, exist_ok=True)  # the DVC stage's output
-    for fmt in formats:
-        out = Path(args.out) if args.out and args.format else Path(args.out or params.export.out) / fmt
-        info = export_dataset(Path(params.output.dir), out, fmt, Path(params.validate_.report),
-                              progress=not args.no_progress)
-        print(json.dumps({"format": fmt, "out": str(out), "samples": info["samples"],
-                          "source_manifest_sha256": info["manifest_sha256"]}))
+    params = _load(args, **{
+        "model.build_demo_if_missing": False, "extract.shard_max_tokens": args.shard_max_tokens,
+        "extract.max_num_batched_tokens": args.max_num_batched_tokens, "extract.max_num_seqs": args.max_num_seqs,
+        "extract.gpu_memory_utilization": args.gpu_memory_utilization, "extract.write_threads": args.write_threads,
+        "extract.max_model_len": args.prompt_len + 16, "prepare.max_length": args.prompt_len})
+    result = run_benchmark(params, Path(args.bench_out), num_prompts=args.prompts, prompt_len=args.prompt_len,
+                           rounds=args.rounds, disk_probe_bytes=int(args.disk_probe_gb * 2**30),
+                           free_written=args.free_written)
+    print(format_result(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = ExtractParams()
+
+    def params_flag(p):
+        p.add_argument("--params", default="params.yaml", help="the parameters file (default: %(default)s)")
+
+    def model_flag(p, what="the target model"):
+        p.add_argument("--model", help=f"{what}: a local HF-format model directory (default: model.path)")
+
+    def layer_flags(p):
+        p.add_argument("--layer-ids", help="comma-separated layer ids, or 'eagle3' = [2, N//2, N-3, N] "
+                                           "(default: extract.layer_ids)")
+        p.add_argument("--dtype", choices=DTYPES, help="default: extract.dtype")
+
+    def progress_flag(p):
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("make-demo-model", help="write the built-in small random-weight model")
-    p.add_argument("dir")
-    p.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is faster for big shapes)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir", help="where to write it")
+    p.add_argument("--device", default="cpu", help="where to initialise the weights; cuda is faster for big "
+                                                  "shapes (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
     p.add_argument("--arch", choices=["llama", "deepseek-v3", "deepseek-v3-real"], default="llama",
-                   help="deepseek-v3-real: DeepSeek-V3's real widths (hidden 7168, 128 MLA heads), 32 experts")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256, help="hidden size (heads of 64)")
+                   help="deepseek-v3-real: DeepSeek-V3's real widths (hidden 7168, 128 MLA heads), 32 experts "
+                        "(default: %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size, heads of 64 (default: %(default)s)")
     p.set_defaults(func=cmd_make_demo_model)
 
     p = sub.add_parser("run", help="the whole pipeline as a Prefect flow (ephemeral server unless one is set)")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--data")
-    p.add_argument("--model")
+    params_flag(p)
+    p.add_argument("--data", help="conversations file (default: data.path)")
+    model_flag(p)
     p.add_argument("--out", help="dataset directory (default: output.dir)")
-    p.add_argument("--layer-ids", help="comma-separated ids, or 'eagle3'")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    layer_flags(p)
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("inputs", help="build the demo inputs if asked for; record the model and data identity")
+    params_flag(p)
+    p.add_argument("--record", "--out", default="work/inputs.json", help="where (default: %(default)s)")
+    p.set_defaults(func=cmd_inputs)
+
     p = sub.add_parser("prepare", help="conversations -> token ids and assistant loss masks")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--data", help="conversations: JSON array or JSONL (ShareGPT, messages, prompt/text)")
-    p.add_argument("--model", help="model directory whose tokenizer and chat template are used")
-    p.add_argument("--out", help="output directory (default: prepare.out)")
-    p.add_argument("--format", choices=["auto", "sharegpt", "messages", "prompt"])
-    p.add_argument("--no-progress", action="store_true")
+    params_flag(p)
+    p.add_argument("--data", help="conversations: JSON array or JSONL (ShareGPT, messages, prompt/text) "
+                                  "(default: data.path)")
+    model_flag(p, "the model whose tokenizer and chat template are used")
+    p.add_argument("--out", dest="prepared_out", help="output directory (default: prepare.out)")
+    p.add_argument("--format", choices=["auto", "sharegpt", "messages", "prompt"], help="default: data.format")
+    progress_flag(p)
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("extract", help="capture hidden states of prepared prompts into a dataset directory")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--model")
-    p.add_argument("--input", help="prepared directory or JSONL of {id, input_ids, loss_mask}")
+    params_flag(p)
+    model_flag(p)
+    p.add_argument("--input", help="prepared directory or JSONL of {id, input_ids, loss_mask} "
+                                   "(default: extract.input, else prepare.out)")
     p.add_argument("--out", help="dataset directory (default: output.dir)")
-    p.add_argument("--layer-ids", help="comma-separated ids, or 'eagle3'")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--no-progress", action="store_true")
+    layer_flags(p)
+    progress_flag(p)
     p.set_defaults(func=cmd_extract)
 
+    p = sub.add_parser("validate", help="check a dataset against the data contract (exit 0 valid, 1 invalid, "
+                                        "2 could not run)")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    p.add_argument("--prepared", help="the prepared input, to check that no sample is missing or extra "
+                                      "(default: the extraction's input when it is a prepared directory)")
+    p.add_argument("--report", help="where the summary goes (default: validate.report)")
+    params_flag(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("export", help="write a validated dataset in a trainer's layout")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    p.add_argument("--format", choices=FORMATS, help="one format (default: every format in export.formats)")
+    p.add_argument("--out", help="with --format: the output directory (default: export.out/FORMAT); without: "
+                                 "the parent directory (default: export.out)")
+    params_flag(p)
+    progress_flag(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("publish", help="DVC-commit, git-tag and push a validated dataset (exit 3: push failed)")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    params_flag(p)
+    p.add_argument("--no-push", action="store_true", help="commit and tag only")
+    p.set_defaults(func=cmd_publish)
+
     p = sub.add_parser("bench", help="plain prefill vs capture to disk, interleaved on one engine")
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", default="work/bench")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--layer-ids", default="eagle3")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--shard-max-tokens", type=int, default=32768)
-    p.add_argument("--write-threads", type=int, default=4)
-    p.add_argument("--disk-probe-gb", type=float, default=2.0)
+    params_flag(p)
+    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--out", dest="bench_out", default="work/bench", help="scratch directory (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per round (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: %(default)s)")
+    layer_flags(p)
+    p.add_argument("--rounds", type=int, default=3, help="rounds, alternating which goes first "
+                                                         "(default: %(default)s)")
+    for name, help_text in (("max_num_batched_tokens", "tokens per engine step"),
+                            ("max_num_seqs", "requests per engine step"),
+                            ("gpu_memory_utilization", "share of GPU (CPU build: host) memory for the engine"),
+                            ("shard_max_tokens", "tokens per shard"), ("write_threads", "shard writer threads")):
+        p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
+                       default=getattr(defaults, name), help=f"{help_text} (default: %(default)s)")
+    p.add_argument("--disk-probe-gb", type=float, default=2.0, help="GiB written to measure the disk alone "
+                                                                     "(default: %(default)s)")
     p.add_argument("--free-written", action="store_true",
                    help="free each shard's disk blocks once it is fsynced and recorded (the file keeps its size), "
                         "for rounds that write more than the disk holds")
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser("inputs", help="build the demo inputs if asked for; record the model and data identity")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--out", default="work/inputs.json")
-    p.set_defaults(func=cmd_inputs)
-
-    p = sub.add_parser("publish", help="DVC-commit, git-tag and push a validated dataset (exit 3: push failed)")
-    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--no-push", action="store_true")
-    p.set_defaults(func=cmd_publish)
-
-    p = sub.add_parser("export", help="write a validated dataset in a trainer's layout")
-    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
-    p.add_argument("--format", choices=["speculators", "speculators-legacy", "specforge"],
-                   help="default: every format in export.formats")
-    p.add_argument("--out", help="output directory (with --format) or parent directory (default: export.out)")
-    p.add_argument("--params", default="params.yaml")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("validate", help="check a dataset against the data contract (exit 0 valid, 1 invalid, 2 error)")
-    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
-    p.add_argument("--prepared", help="the prepared input, to check that no sample is missing or extra")
-    p.add_argument("--report", help="where the summary goes (default: validate.report)")
-    p.add_argument("--params", default="params.yaml")
-    p.set_defaults(func=cmd_validate)
     return parser
 
 

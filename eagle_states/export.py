@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-from eagle_states import contract
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
+from eagle_states.dataset.layout import LAYER_SEMANTICS, MANIFEST_FILE, LayerSelection
+from eagle_states.dataset.reader import Dataset, Sample
+from eagle_states.dataset.shard_file import write_shard_file
 from eagle_states.validate import is_validated
 
 FORMATS = ("speculators", "speculators-legacy", "specforge")
@@ -31,14 +34,14 @@ class ExportRefused(ValueError):
     """Deterministic: the dataset is not validated, or the format cannot represent its layer list."""
 
 
-def check_layers(manifest: dict, fmt: str) -> None:
+def check_layers(layers: LayerSelection, fmt: str) -> None:
     """speculators and SpecForge split the list into aux layers + the final state: the last id must be N."""
-    ids, n = manifest["layer_ids"], manifest["model"]["num_layers"]
     if fmt in ("speculators", "specforge"):
-        if len(ids) < 2 or ids[-1] != n:
+        if len(layers) < 2 or not layers.ends_with_final_state():
             raise ExportRefused(
-                f"{fmt} takes the last captured layer as the final state (layer id {n} = the output before the "
-                f"final norm) and the ones before it as aux layers; this dataset has layer ids {ids}")
+                f"{fmt} takes the last captured layer as the final state (layer id {layers.num_layers} = the "
+                f"output before the final norm) and the ones before it as aux layers; this dataset has layer ids "
+                f"{list(layers.layer_ids)}")
 
 
 def _torch_bytes(obj) -> bytes:
@@ -56,16 +59,16 @@ def _path_for(out: Path, fmt: str, i: int) -> Path:
     return out / f"rows_{start}-{start + SPECFORGE_ROWS_PER_DIR}" / f"data_{i}.ckpt"
 
 
-def _write_sample(path: Path, fmt: str, sample: contract.Sample) -> None:
+def _write_sample(path: Path, fmt: str, sample: Sample) -> None:
     ids = sample.input_ids.to(torch.long)
     mask = sample.loss_mask.to(torch.long)
     if fmt == "speculators":
-        contract.write_shard_file(path, {"hidden_states": torch.stack(sample.hidden_states, dim=1), "token_ids": ids})
+        write_shard_file(path, {"hidden_states": torch.stack(sample.hidden_states, dim=1), "token_ids": ids})
     elif fmt == "speculators-legacy":
-        contract.atomic_write_bytes(path, _torch_bytes(
+        atomic_write_bytes(path, _torch_bytes(
             {"input_ids": ids, "hidden_states": list(sample.hidden_states), "loss_mask": mask}))
     else:
-        contract.atomic_write_bytes(path, _torch_bytes({
+        atomic_write_bytes(path, _torch_bytes({
             "input_ids": ids, "loss_mask": mask, "hidden_state": sample.hidden_states[-1][None],
             "aux_hidden_state": torch.cat(sample.hidden_states[:-1], dim=-1)[None]}))
 
@@ -79,11 +82,11 @@ def export_dataset(dataset_dir: Path, out: Path, fmt: str, report: Path, progres
     if not is_validated(dataset_dir, report):
         raise ExportRefused(f"{dataset_dir} has not passed validation (or changed since {report}); run "
                             "`eagle-states validate` first")
-    dataset = contract.Dataset(dataset_dir)
-    check_layers(dataset.manifest, fmt)
-    source = {"dataset": str(dataset_dir.resolve()), "manifest_sha256": contract.sha256_file(
-        dataset_dir / contract.MANIFEST_FILE), "layer_ids": dataset.layer_ids,
-        "layer_semantics": contract.LAYER_SEMANTICS, "format": fmt, "samples": len(dataset)}
+    dataset = Dataset(dataset_dir)
+    check_layers(dataset.layers, fmt)
+    source = {"dataset": str(dataset_dir.resolve()), "manifest_sha256": sha256_file(dataset_dir / MANIFEST_FILE),
+              "layer_ids": list(dataset.layers.layer_ids), "layer_semantics": LAYER_SEMANTICS, "format": fmt,
+              "samples": len(dataset)}
     marker = out / EXPORT_FILE
     if marker.exists() and json.loads(marker.read_text())["manifest_sha256"] != source["manifest_sha256"]:
         raise ExportRefused(f"{out} holds an export of another dataset version; use an empty directory")
@@ -102,7 +105,7 @@ def export_dataset(dataset_dir: Path, out: Path, fmt: str, report: Path, progres
             bar.update()
     if fmt == "speculators":
         _write_speculators_table(table, out)
-    contract.atomic_write_json(marker, {**source, "written_this_run": written})
+    atomic_write_json(marker, {**source, "written_this_run": written})
     return json.loads(marker.read_text())
 
 
@@ -123,4 +126,4 @@ def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path
     for item in staging.iterdir():  # beside hidden_states/, where speculators' loader looks
         item.replace(out / item.name)
     staging.rmdir()
-    contract.atomic_write_bytes(out / "token_freq.pt", _torch_bytes(dict(freq)))
+    atomic_write_bytes(out / "token_freq.pt", _torch_bytes(dict(freq)))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from pathlib import Path
 
-from eagle_states.extract import Extraction, ExtractionSettings
+from eagle_states.config import PipelineParams
+from eagle_states.extraction.driver import Extraction
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,11 @@ def device_groups(dp_size: int, tp_size: int, gpu_ids: list[int] | None, cpu: bo
             for r in range(dp_size)]
 
 
-def _engine_process(env: dict, settings: ExtractionSettings, input_path: str, out_dir: str, shard_names: list[str]):
+def _engine_process(env: dict, params: PipelineParams, shard_names: list[str]):
     os.environ.update(env)  # before vLLM starts: which devices or cores this engine owns
-    from eagle_states.engine import EngineHolder
+    from eagle_states.capture.engine import EngineHolder
 
-    extraction = Extraction(settings, Path(input_path), Path(out_dir))
+    extraction = Extraction(params)
     shards = {s.name: s for s in extraction.shards}
     engines = EngineHolder()
     try:
@@ -49,12 +49,13 @@ def _engine_process(env: dict, settings: ExtractionSettings, input_path: str, ou
         engines.close()
 
 
-def run_data_parallel(settings: ExtractionSettings, input_path: Path, out_dir: Path, dp_size: int,
-                      gpu_ids: list[int] | None = None, rounds: int = 2) -> dict:
-    from vllm.platforms import current_platform
+def run_data_parallel(params: PipelineParams, rounds: int = 2) -> dict:
+    from eagle_states.capture.engine import running_on_cpu
 
-    extraction = Extraction(settings, input_path, out_dir)
-    groups = device_groups(dp_size, settings.tensor_parallel_size, gpu_ids, current_platform.is_cpu())
+    e = params.extract
+    dp_size = e.data_parallel_size
+    extraction = Extraction(params)
+    groups = device_groups(dp_size, e.tensor_parallel_size, e.gpu_ids, running_on_cpu())
     context = multiprocessing.get_context("spawn")
     for round_ in range(rounds):
         todo = [s.name for s in extraction.unfinished()]
@@ -66,7 +67,7 @@ def run_data_parallel(settings: ExtractionSettings, input_path: Path, out_dir: P
             names = todo[rank::dp_size]
             if names:
                 proc = context.Process(target=_engine_process, name=f"eagle-engine-{rank}",
-                                       args=(env, settings, str(input_path), str(out_dir), names))
+                                       args=(env, params, names))
                 proc.start()
                 procs.append((rank, proc))
         for rank, proc in procs:

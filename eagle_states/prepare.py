@@ -13,7 +13,6 @@ Output directory:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import random
@@ -22,14 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from eagle_states import contract
+from eagle_states.config import PrepareParams
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
+from eagle_states.dataset.identity import model_identity
+from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE, SKIPPED_FILE, TOKEN_FREQ_FILE, write_samples
 
 log = logging.getLogger(__name__)
-
-SAMPLES_FILE = "samples.parquet"
-TOKEN_FREQ_FILE = "token_freq.json"
-SKIPPED_FILE = "skipped.jsonl"
-REPORT_FILE = "report.json"
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
@@ -45,17 +42,6 @@ class SkipRow(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
-
-
-@dataclass
-class PrepareSettings:
-    max_length: int = 2048
-    overlong: str = "truncate"  # or "drop"
-    min_loss_tokens: int = 1
-    limit: int | None = None
-    shuffle_seed: int | None = None
-    dedup: bool = True
-    format: str = "auto"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,13 +195,13 @@ class PrepareResult:
     mask_method: str = ""
 
 
-def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PrepareSettings,
+def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PrepareParams, fmt: str,
                  template_key: str, progress: bool = False) -> PrepareResult:
     from tqdm import tqdm
 
     result = PrepareResult(rows_read=len(rows))
     parsed = [r for _, r in rows if not isinstance(r, SkipRow)]
-    result.format = settings.format if settings.format != "auto" else detect_format(parsed)
+    result.format = fmt if fmt != "auto" else detect_format(parsed)
     use_markers = template_has_generation_markers(tokenizer)
     result.mask_method = "generation_markers" if use_markers else "prefix_diff"
     render = render_with_markers if use_markers else render_by_prefix_diff
@@ -271,44 +257,39 @@ def load_tokenizer(model_dir: Path):
     return tokenizer
 
 
-def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PrepareSettings,
+def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PrepareParams, *, fmt: str,
             progress: bool = True, identity: str | None = None) -> dict:
     """Prepare `data_path` into `out_dir`; returns the report (written last, with `identity`, what the caller
     uses to recognise output made from the same inputs, and the sha256 of samples.parquet)."""
-    import pandas as pd
-
     tokenizer = load_tokenizer(model_dir)
-    template_key = contract.model_identity(model_dir)["tokenizer_sha256"]
+    template_key = model_identity(model_dir)["tokenizer_sha256"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / REPORT_FILE).unlink(missing_ok=True)  # the report marks a finished preparation: drop it first
     rows = list(read_rows(data_path))
     if not rows:
         raise NotAConversationDataset(f"{data_path}: no rows")
-    result = prepare_rows(rows, tokenizer, settings, template_key, progress)
+    result = prepare_rows(rows, tokenizer, settings, fmt, template_key, progress)
     log.info("prepare: %s format, masks from %s", result.format, result.mask_method)
 
-    frame = pd.DataFrame(result.samples, columns=["sample_id", "source_row", "input_ids", "loss_mask", "num_tokens",
-                                                   "num_loss_tokens"])
-    buffer = io.BytesIO()
-    frame.to_parquet(buffer, index=False)
-    contract.atomic_write_bytes(out_dir / SAMPLES_FILE, buffer.getvalue())
+    write_samples(out_dir, result.samples)
     freq = Counter()
     for s in result.samples:
         freq.update(t for t, m in zip(s["input_ids"], s["loss_mask"]) if m)
-    contract.atomic_write_json(out_dir / TOKEN_FREQ_FILE, {
+    atomic_write_json(out_dir / TOKEN_FREQ_FILE, {
         "vocab_size": len(tokenizer), "total": sum(freq.values()),
         "counts": {str(t): c for t, c in sorted(freq.items())}})
-    contract.atomic_write_bytes(out_dir / SKIPPED_FILE,
+    atomic_write_bytes(out_dir / SKIPPED_FILE,
                                 "".join(json.dumps(s) + "\n" for s in result.skipped).encode())
     report = {
         "source": str(data_path), "format": result.format, "mask_method": result.mask_method,
         "rows_read": result.rows_read, "rows_written": len(result.samples), "rows_skipped": len(result.skipped),
         "skipped_by_reason": dict(sorted(Counter(s["reason"] for s in result.skipped).items())),
-        "num_tokens": int(frame["num_tokens"].sum()), "num_loss_tokens": int(frame["num_loss_tokens"].sum()),
-        "settings": settings.__dict__, "tokenizer_sha256": template_key, "identity": identity,
-        "samples_sha256": contract.sha256_file(out_dir / SAMPLES_FILE)}
+        "num_tokens": sum(s["num_tokens"] for s in result.samples),
+        "num_loss_tokens": sum(s["num_loss_tokens"] for s in result.samples),
+        "settings": {**settings.model_dump(exclude={"out"}), "format": fmt}, "tokenizer_sha256": template_key, "identity": identity,
+        "samples_sha256": sha256_file(out_dir / SAMPLES_FILE)}
     if report["rows_read"] != report["rows_written"] + report["rows_skipped"]:
         raise RuntimeError(f"prepare lost rows: {report}")
-    contract.atomic_write_json(out_dir / REPORT_FILE, report)
+    atomic_write_json(out_dir / REPORT_FILE, report)
     return report

@@ -12,7 +12,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from eagle_states import contract
+from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.layout import MANIFEST_FILE
+from eagle_states.dataset.manifest import read_manifest
 from eagle_states.validate import is_validated
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ def _run(args: list[str], cwd: Path) -> str:
 
 def dataset_version(dataset_dir: Path) -> str:
     """A name that follows the content: the same dataset always gets the same version."""
-    return "dataset-" + contract.sha256_file(Path(dataset_dir) / contract.MANIFEST_FILE)[:12]
+    return "dataset-" + sha256_file(Path(dataset_dir) / MANIFEST_FILE)[:12]
 
 
 def publish(repo: Path, dataset_dir: Path, report: Path, push: bool = True, push_retries: int = 3,
@@ -54,7 +56,7 @@ def publish(repo: Path, dataset_dir: Path, report: Path, push: bool = True, push
         _run(["git", "commit", "-q", "-m", f"Publish {version}"], repo)
     tags = _run(["git", "tag", "--list", version], repo).split()
     if not tags:
-        manifest = contract.read_manifest(dataset_dir)
+        manifest = read_manifest(dataset_dir)
         _run(["git", "tag", "-a", version, "-m", json.dumps({k: manifest[k] for k in (
             "num_samples", "num_tokens", "layer_ids", "dtype")})], repo)
     commit = _run(["git", "rev-parse", "HEAD"], repo).strip()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,12 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
 
-from eagle_states import contract
+from eagle_states.dataset import layout
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
+from eagle_states.dataset.layout import LAYER_SEMANTICS
+from eagle_states.dataset.manifest import layer_selection, read_manifest
+from eagle_states.dataset.prepared import read_sample_ids
+from eagle_states.dataset.shard_file import CODE_OF_NAME, read_header
 
 log = logging.getLogger(__name__)
 FAILURES_SUFFIX = "_failures.csv"
@@ -33,31 +37,14 @@ class ValidationFailed(Exception):
 
     def __init__(self, result: "ValidationResult"):
         super().__init__(f"{len(result.failures)} validation failures; first: "
-                         + "; ".join(f"{r.sample_id} layer {r.layer}: {r.check} (observed {r.observed})"
+                         + "; ".join(f"{r.sample_id} slot {r.slot} (layer id {r.layer_id}): {r.check} "
+                                     f"(observed {r.observed})"
                                      for r in result.failures.head(3).itertuples()))
         self.result = result
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the files
-def read_safetensors_header(path: Path) -> dict:
-    """The header of a safetensors file, validated against its size (a truncated file fails here)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"header of {n} bytes in a file of {size}")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + n + end != size:
-        raise ValueError(f"tensors end at byte {8 + n + end}, the file has {size} (truncated or padded)")
-    return header
-
-
 @dataclass
 class Tables:
     shards: pd.DataFrame
@@ -69,11 +56,13 @@ class Tables:
 
 
 def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str], content: bool = True) -> Tables:
-    """`expected_ids`: sample id -> where it is expected (the index, the prepared input)."""
+    """`expected_ids`: sample id -> where it is expected (the index, the prepared input). Hidden-state rows carry
+    their `slot` (from the key) and the `layer_id` the manifest puts there (-1 for a slot it does not have)."""
     import torch
     from safetensors import safe_open
 
     dataset_dir = Path(dataset_dir)
+    layers = layer_selection(manifest)
     shard_rows, sample_rows, layer_rows, stray_keys = [], {}, [], []
     bytes_read = 0
     for shard in manifest["shards"]:
@@ -85,26 +74,28 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
             row["error"] = "missing"
             continue
         try:
-            header = read_safetensors_header(path)
+            header = read_header(path)
             row["readable"] = True
         except (ValueError, json.JSONDecodeError) as exc:
             row["error"] = str(exc)
             continue
-        row["sha256_matches"] = contract.sha256_file(path) == shard["sha256"]
+        row["sha256_matches"] = sha256_file(path) == shard["sha256"]
         bytes_read += path.stat().st_size
         f = safe_open(path, framework="pt") if content else None
         for key, info in header.items():
-            parsed = contract.parse_key(key)
+            parsed = layout.parse_key(key)
             if parsed is None:
                 stray_keys.append({"shard": shard["name"], "key": key, "shape": str(info["shape"])})
                 continue
             sample = sample_rows.setdefault((shard["name"], parsed.sample_id), {
-                "sample_id": parsed.sample_id, "shard": shard["name"], "num_layers": 0, "max_slot": -1,
+                "sample_id": parsed.sample_id, "shard": shard["name"], "num_slots": 0, "max_slot": -1,
                 "input_ids_len": -1, "loss_mask_len": -1, "loss_tokens": -1, "ids_min": 0, "ids_max": 0,
                 "ids_dtype": "", "mask_values_ok": True})
             shape = info["shape"]
             if parsed.field == "hidden_states":
-                layer = {"sample_id": parsed.sample_id, "shard": shard["name"], "layer": parsed.layer_slot,
+                layer_id = layers.layer_id(parsed.slot) if parsed.slot < len(layers) else -1
+                layer = {"sample_id": parsed.sample_id, "shard": shard["name"], "slot": parsed.slot,
+                         "layer_id": layer_id,
                          "ndim": len(shape), "tokens": shape[0] if shape else -1,
                          "hidden": shape[1] if len(shape) > 1 else -1, "dtype": info["dtype"],
                          "nan": 0, "inf": 0}
@@ -113,8 +104,8 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
                     layer["nan"] = int(torch.isnan(t).sum())
                     layer["inf"] = int(torch.isinf(t).sum())
                 layer_rows.append(layer)
-                sample["num_layers"] += 1
-                sample["max_slot"] = max(sample["max_slot"], parsed.layer_slot)
+                sample["num_slots"] += 1
+                sample["max_slot"] = max(sample["max_slot"], parsed.slot)
             elif parsed.field == "input_ids":
                 sample["input_ids_len"] = shape[0] if len(shape) == 1 else -1
                 sample["ids_dtype"] = info["dtype"]
@@ -128,16 +119,16 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
                     sample["loss_tokens"] = int(t.sum())
                     sample["mask_values_ok"] = bool(((t == 0) | (t == 1)).all())
     samples = pd.DataFrame(sample_rows.values(), columns=[
-        "sample_id", "shard", "num_layers", "max_slot", "input_ids_len", "loss_mask_len", "loss_tokens", "ids_min",
+        "sample_id", "shard", "num_slots", "max_slot", "input_ids_len", "loss_mask_len", "loss_tokens", "ids_min",
         "ids_max", "ids_dtype", "mask_values_ok"])
     counts = samples["sample_id"].value_counts()
     presence = pd.DataFrame({"sample_id": sorted(set(expected_ids) | set(counts.index))})
     presence["occurrences"] = presence["sample_id"].map(counts).fillna(0).astype(int)
     presence["expected"] = presence["sample_id"].isin(set(expected_ids))
-    layers = pd.DataFrame(layer_rows, columns=["sample_id", "shard", "layer", "ndim", "tokens", "hidden", "dtype",
-                                               "nan", "inf"])
-    layers = layers.merge(samples[["sample_id", "shard", "input_ids_len"]], on=["sample_id", "shard"], how="left")
-    return Tables(pd.DataFrame(shard_rows), samples, presence, layers,
+    states = pd.DataFrame(layer_rows, columns=["sample_id", "shard", "slot", "layer_id", "ndim", "tokens", "hidden",
+                                               "dtype", "nan", "inf"])
+    states = states.merge(samples[["sample_id", "shard", "input_ids_len"]], on=["sample_id", "shard"], how="left")
+    return Tables(pd.DataFrame(shard_rows), samples, presence, states,
                   pd.DataFrame(stray_keys, columns=["shard", "key", "shape"]), bytes_read)
 
 
@@ -150,9 +141,9 @@ class _Coerced(pa.DataFrameModel):
 
 def schemas(manifest: dict, min_loss_tokens: int):
     # (names differ from the columns: a class body cannot read an enclosing variable it also assigns)
-    want_layers = len(manifest["layer_ids"])
+    want_slots = len(manifest["layer_ids"])
     want_hidden = manifest["hidden_size"]
-    want_dtype = contract.SAFETENSORS_DTYPES[manifest["dtype"]]
+    want_dtype = CODE_OF_NAME[manifest["dtype"]]
     vocab = manifest["model"]["vocab_size"]
 
     class ShardSchema(_Coerced):
@@ -163,8 +154,8 @@ def schemas(manifest: dict, min_loss_tokens: int):
 
     class SampleSchema(_Coerced):
         sample_id: Series[str]
-        num_layers: Series[int] = pa.Field(eq=want_layers)
-        max_slot: Series[int] = pa.Field(eq=want_layers - 1)
+        num_slots: Series[int] = pa.Field(eq=want_slots)
+        max_slot: Series[int] = pa.Field(eq=want_slots - 1)
         input_ids_len: Series[int] = pa.Field(gt=0)
         loss_tokens: Series[int] = pa.Field(ge=min_loss_tokens)
         ids_min: Series[int] = pa.Field(ge=0)
@@ -183,7 +174,7 @@ def schemas(manifest: dict, min_loss_tokens: int):
 
     class LayerSchema(_Coerced):
         sample_id: Series[str]
-        layer: Series[int] = pa.Field(ge=0, lt=want_layers)
+        slot: Series[int] = pa.Field(ge=0, lt=want_slots)
         ndim: Series[int] = pa.Field(eq=2)
         hidden: Series[int] = pa.Field(eq=want_hidden)
         dtype: Series[str] = pa.Field(eq=want_dtype)
@@ -201,24 +192,31 @@ def schemas(manifest: dict, min_loss_tokens: int):
             "keys": KeySchema}
 
 
+FAILURE_COLUMNS = ["table", "sample_id", "slot", "layer_id", "check", "observed"]
+
+
+def _failure(table: str, check: str, observed, sample_id: str = "", slot="", layer_id="") -> dict:
+    """One row of the failures table: `slot` is a position in the manifest's layer list (shard rows), `layer_id`
+    the layer id there (see LAYER_SEMANTICS); either is empty where it does not apply."""
+    return {"table": table, "sample_id": sample_id, "slot": slot, "layer_id": layer_id, "check": check,
+            "observed": observed}
+
+
 def manifest_failures(manifest: dict, index: pd.DataFrame) -> list[dict]:
     out = []
     n = manifest["model"]["num_layers"]
-    for k in manifest["layer_ids"]:
+    for slot, k in enumerate(manifest["layer_ids"]):
         if not 0 <= k <= n:
-            out.append({"table": "manifest", "sample_id": "", "layer": k, "check": f"layer id in 0..{n}",
-                        "observed": k})
-    if manifest.get("layer_semantics") != contract.LAYER_SEMANTICS:
-        out.append({"table": "manifest", "sample_id": "", "layer": "", "check": "layer semantics",
-                    "observed": manifest.get("layer_semantics")})
+            out.append(_failure("manifest", f"layer id in 0..{n}", k, slot=slot, layer_id=k))
+    if manifest.get("layer_semantics") != LAYER_SEMANTICS:
+        out.append(_failure("manifest", "layer semantics", manifest.get("layer_semantics")))
     if manifest["num_samples"] != len(index):
-        out.append({"table": "manifest", "sample_id": "", "layer": "", "check": f"num_samples == {len(index)} (index)",
-                    "observed": manifest["num_samples"]})
+        out.append(_failure("manifest", f"num_samples == {len(index)} (index)", manifest["num_samples"]))
     return out
 
 
 def _failure_rows(name: str, table: pd.DataFrame, error: pa.errors.SchemaErrors) -> list[dict]:
-    """(table, sample, layer, check, observed) per failure; a row-wise check over several columns counts once."""
+    """One failure row per failed check and table row; a row-wise check over several columns counts once."""
     rows, seen = [], set()
     for case in error.failure_cases.itertuples():
         index = case.index if case.index is not None and case.index in table.index else None
@@ -234,9 +232,9 @@ def _failure_rows(name: str, table: pd.DataFrame, error: pa.errors.SchemaErrors)
         else:
             observed = case.failure_case
         label = "" if record is None else str(record["sample_id"] if "sample_id" in record else record["shard"])
-        rows.append({"table": name, "sample_id": label,
-                     "layer": int(record["layer"]) if record is not None and "layer" in record else "",
-                     "check": check, "observed": observed})
+        has_slot = record is not None and "slot" in record
+        rows.append(_failure(name, check, observed, label, slot=int(record["slot"]) if has_slot else "",
+                             layer_id=int(record["layer_id"]) if has_slot and record["layer_id"] >= 0 else ""))
     return rows
 
 
@@ -256,14 +254,14 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
     """
     started = time.time()
     dataset_dir = Path(dataset_dir)
-    manifest = contract.read_manifest(dataset_dir)
-    index = pd.read_parquet(dataset_dir / contract.INDEX_FILE)
+    manifest = read_manifest(dataset_dir)
+    index = pd.read_parquet(dataset_dir / layout.INDEX_FILE)
     expected = {sid: "index" for sid in index["sample_id"]}
     if prepared_dir is not None:
-        prepared = pd.read_parquet(Path(prepared_dir) / "samples.parquet", columns=["sample_id"])
-        for sid in prepared["sample_id"]:
+        prepared = read_sample_ids(prepared_dir)
+        for sid in prepared:
             expected.setdefault(sid, "prepared input")
-        for sid in set(index["sample_id"]) - set(prepared["sample_id"]):
+        for sid in set(index["sample_id"]) - set(prepared):
             expected.pop(sid, None)  # in the dataset but not in the prepared input: unexpected
     tables = build_tables(dataset_dir, manifest, expected)
     failures = manifest_failures(manifest, index)
@@ -275,9 +273,8 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
             failures += _failure_rows(name, table, exc)
     if index["sample_id"].duplicated().any():
         for sid in index.loc[index["sample_id"].duplicated(), "sample_id"]:
-            failures.append({"table": "index", "sample_id": sid, "layer": "", "check": "unique in index",
-                             "observed": "duplicate"})
-    failures_frame = pd.DataFrame(failures, columns=["table", "sample_id", "layer", "check", "observed"])
+            failures.append(_failure("index", "unique in index", "duplicate", sid))
+    failures_frame = pd.DataFrame(failures, columns=FAILURE_COLUMNS)
     elapsed = time.time() - started
     summary = {
         "valid": failures_frame.empty, "samples": int(tables.samples["sample_id"].nunique()),
@@ -285,20 +282,20 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         "bytes": int(tables.bytes_read), "layers": manifest["layer_ids"], "dtype": manifest["dtype"],
         "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
         "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
-        "dataset_manifest_sha256": contract.sha256_file(dataset_dir / contract.MANIFEST_FILE)}
+        "dataset_manifest_sha256": sha256_file(dataset_dir / layout.MANIFEST_FILE)}
     if report is not None:
-        contract.atomic_write_json(Path(report), summary)
+        atomic_write_json(Path(report), summary)
         if failures_frame.empty:
             failures_path(report).unlink(missing_ok=True)
         else:
-            contract.atomic_write_bytes(failures_path(report), failures_frame.to_csv(index=False).encode())
+            atomic_write_bytes(failures_path(report), failures_frame.to_csv(index=False).encode())
     return ValidationResult(failures_frame.empty, failures_frame, summary)
 
 
 def is_validated(dataset_dir: Path, report: Path) -> bool:
     """True if `report` says the dataset passed validation and the dataset has not changed since (same manifest)."""
-    report, manifest = Path(report), Path(dataset_dir) / contract.MANIFEST_FILE
+    report, manifest = Path(report), Path(dataset_dir) / layout.MANIFEST_FILE
     if not report.exists() or not manifest.exists():
         return False
     summary = json.loads(report.read_text())
-    return bool(summary.get("valid")) and summary.get("dataset_manifest_sha256") == contract.sha256_file(manifest)
+    return bool(summary.get("valid")) and summary.get("dataset_manifest_sha256") == sha256_file(manifest)

@@ -5,51 +5,58 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from eagle_states.params import PipelineParams, load_params
+from eagle_states.capture.engine import CaptureEngine, EngineSettings
+from eagle_states.config import PipelineParams, load_params
 from eagle_states.run_report import render_markdown
 from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.prepare import prepare_task
 from tasks.publish import publish_task
-from tasks.session import extraction_session
+from tasks.session import Session, extraction_session
 from tasks.validate import validate_task
 
 
 @flow(name="extract-hidden-states", log_prints=True)
 def extract_hidden_states(params: PipelineParams | None = None, params_file: str = "params.yaml") -> dict:
     """Extract EAGLE-3 training hidden states. Without `params`, reads `params_file`."""
-    params = params or load_params(params_file)
+    return pipeline(params or load_params(params_file), CaptureEngine)
+
+
+def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]) -> dict:
+    """The flow's body, with the engine factory its shard tasks use (a flow parameter cannot carry one)."""
     forward_library_logs()
     stages: dict[str, float] = {}
     with timed(stages, "prepare"):
         prepare_task(params)
-    with timed(stages, "extract"), extraction_session(params) as session:
-        outcomes = run_shards(session)
-        manifest = finalize_dataset_task(session.key)
+    with timed(stages, "extract"), extraction_session(params, engine_factory) as session:
+        outcomes = run_shards(session, params.output.prefect_results)
+        extracted = finalize_dataset_task(session.key)
         lengths = [len(s.input_ids) for s in session.extraction.samples]
     with timed(stages, "validate"):
         summary = validate_task(params)
     exports = [export_task(params, fmt) for fmt in params.export.formats]
     published = publish_task(params) if params.publish.enabled else None
-    report = render_markdown(dataset=params.output.dir, manifest=manifest, validation=summary, outcomes=outcomes,
-                             stage_seconds=stages, lengths=lengths)
+    report = render_markdown(dataset=params.output.dir, manifest=asdict(extracted), validation=summary,
+                             outcomes=outcomes, stage_seconds=stages, lengths=lengths)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
-    return {"dataset": params.output.dir, "manifest": manifest, "validation": summary, "exports": exports, "published": published,
+    return {"dataset": params.output.dir, "extract": asdict(extracted), "validation": summary,
+            "exports": [asdict(e) for e in exports], "published": asdict(published) if published else None,
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes)}
 
 
-def run_shards(session) -> list:
+def run_shards(session: Session, results_dir: str) -> list:
     """One task per shard, in order; a shard whose output is missing or altered refreshes its cache entry. The
     shards are computed as one engine pass (`ShardStream`), so a shard's file is written while the next runs."""
     from tqdm import tqdm
 
-    storage = results_storage(session.results_dir)
+    storage = results_storage(results_dir)
     names = session.shard_names
     progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
     outcomes = []

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from prefect import task
 
-from eagle_states.pipeline import ShardOutcome
+from eagle_states import stages
+from eagle_states.extraction.stream import ShardOutcome
 from tasks.retry import transient_only
 from tasks.session import get_session
 
 
 def _cache_key(context, parameters) -> str:
-    return parameters["shard_key"]  # content + model + layers + dtype + capture code; see shard_cache_key
+    return parameters["shard_key"]  # content + model + byte-deciding settings + capture code: Extraction.cache_key
 
 
 @task(name="extract-shard", cache_key_fn=_cache_key, persist_result=True, retries=2, retry_delay_seconds=[2, 10],
@@ -25,6 +26,5 @@ def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> Sha
 
 
 @task(name="finalize-dataset", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
-def finalize_dataset_task(session_key: str) -> dict:
-    manifest = get_session(session_key).extraction.finalize()
-    return {k: manifest[k] for k in ("num_samples", "num_tokens", "num_loss_tokens", "layer_ids", "dtype")}
+def finalize_dataset_task(session_key: str) -> stages.ExtractOutcome:
+    return stages.finalize(get_session(session_key).extraction)

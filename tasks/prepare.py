@@ -2,13 +2,11 @@
 
 from prefect import task
 
-from eagle_states.params import PipelineParams
-from eagle_states.pipeline import prepare_step
+from eagle_states import stages
+from eagle_states.config import PipelineParams
 from tasks.retry import transient_only
 
 
 @task(name="prepare", retries=1, retry_delay_seconds=5, retry_condition_fn=transient_only)
-def prepare_task(params: PipelineParams) -> dict:
-    report = prepare_step(params, progress=False)
-    return {k: report[k] for k in ("format", "rows_read", "rows_written", "rows_skipped", "skipped_by_reason",
-                                   "num_tokens")}
+def prepare_task(params: PipelineParams) -> stages.PrepareOutcome:
+    return stages.prepare(params)

@@ -1,9 +1,9 @@
 """Which failures are worth a retry: I/O and engine trouble are; bad input and invalid data are not."""
 
+from eagle_states.capture.protocol import UnsupportedModelError
+from eagle_states.dataset.prepared import InputError
 from eagle_states.export import ExportRefused
-from eagle_states.extract import InputError
 from eagle_states.validate import ValidationFailed
-from eagle_states.vllm_capture import UnsupportedModelError
 
 DETERMINISTIC = (ValidationFailed, InputError, ExportRefused, UnsupportedModelError, FileNotFoundError, KeyError)
 

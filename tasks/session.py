@@ -1,8 +1,9 @@
-"""What a flow run keeps in memory between its tasks: the extraction plan and the one engine holder.
+"""What a flow run keeps in memory between its shard tasks: the extraction plan, the shard stream and the one
+engine holder (tasks receive the session key, a string, so that nothing large passes through Prefect).
 
-Tasks receive only the session key (a string), so that nothing large is passed through Prefect; the engine is
-created by the first task that needs it, held under the `gpu-engine` global concurrency limit (one run per GPU
-at a time), and closed when the flow run leaves the session.
+The engine is created by the first task that needs it, with the factory the flow was given, held under the
+`gpu-engine` global concurrency limit (one run per GPU at a time), and closed when the flow run leaves the
+session.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 import contextlib
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
-from eagle_states.engine import CaptureEngine
-from eagle_states.extract import Extraction
-from eagle_states.params import PipelineParams
-from eagle_states.pipeline import RestartingEngines, ShardStream, open_extraction, shard_cache_key
+from eagle_states import stages
+from eagle_states.capture.engine import CaptureEngine, EngineSettings, RestartingEngines
+from eagle_states.config import PipelineParams
+from eagle_states.extraction.driver import Extraction
+from eagle_states.extraction.stream import ShardStream
 
 GPU_CONCURRENCY_LIMIT = "gpu-engine"
-ENGINE_FACTORY = CaptureEngine  # the engine class; tests substitute a subclass that injects a fault
-_SESSIONS: dict[str, "Session"] = {}
+_SESSIONS: dict[str, "Session"] = {}  # the flow run's sessions, by key: how its in-process tasks find them
 
 
 @dataclass
@@ -27,7 +29,6 @@ class Session:
     extraction: Extraction
     engines: RestartingEngines
     stream: ShardStream
-    results_dir: str
     guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -35,27 +36,27 @@ class Session:
         return [s.name for s in self.extraction.shards]
 
     def cache_key(self, shard_name: str) -> str:
-        return shard_cache_key(self.extraction, self.extraction.planned(shard_name))
+        return self.extraction.cache_key(self.extraction.planned(shard_name))
 
     def intact(self, shard_name: str) -> bool:
         return self.extraction.receipt(self.extraction.planned(shard_name)) is not None
 
 
-def _guarded_factory(guard: contextlib.ExitStack):
-    def create(settings):
+def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextlib.ExitStack):
+    def create(settings: EngineSettings) -> CaptureEngine:
         from prefect.concurrency.sync import concurrency
 
         guard.enter_context(concurrency(GPU_CONCURRENCY_LIMIT, occupy=1, strict=False))
-        return ENGINE_FACTORY(settings)
+        return factory(settings)
     return create
 
 
 @contextlib.contextmanager
-def extraction_session(params: PipelineParams):
+def extraction_session(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]):
     guard = contextlib.ExitStack()
-    extraction, engines = open_extraction(params), RestartingEngines(_guarded_factory(guard))
-    session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines),
-                      params.output.prefect_results, guard)
+    extraction = stages.open_extraction(params)
+    engines = RestartingEngines(_guarded(engine_factory, guard))
+    session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines), guard)
     _SESSIONS[session.key] = session
     try:
         yield session

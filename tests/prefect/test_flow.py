@@ -6,12 +6,15 @@ import json
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-import tasks.session
-from eagle_states import contract
-from eagle_states.engine import CaptureEngine
-from eagle_states.params import PipelineParams
+from prefect import flow
+
+from eagle_states.capture.engine import CaptureEngine
+from eagle_states.config import PipelineParams
+from eagle_states.dataset.layout import shard_path
+from eagle_states.dataset.manifest import read_manifest
 from eagle_states.validate import ValidationFailed
-from flows.extract_hidden_states import extract_hidden_states
+from flows.extract_hidden_states import pipeline
+from helpers import CountingEngines
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,7 +28,7 @@ def pipeline_params(tmp_path, llama_model, **validate) -> PipelineParams:
         "model": {"path": str(llama_model), "build_demo_if_missing": False},
         "data": {"path": str(tmp_path / "conversations.jsonl")},
         "prepare": {"out": str(tmp_path / "prepared"), "limit": 20},
-        "extract": {"shard_max_tokens": 1500, "max_model_len": 2048, "max_num_batched_tokens": 512,
+        "extract": {"shard_max_tokens": 1536, "max_model_len": 2049, "max_num_batched_tokens": 512,
                     "gpu_memory_utilization": 0.1, "dtype": "float32"},
         "validate": validate or {"min_loss_tokens": 1},
         "output": {"dir": str(tmp_path / "dataset"), "prefect_results": str(tmp_path / "results")}})
@@ -55,20 +58,21 @@ def first_run(tmp_path_factory, llama_model):
     return tmp, params, result, engines_created
 
 
-def run_flow_with(engine_class, params) -> tuple[dict, int]:
-    """The flow with `engine_class` as its engine; returns its result and how many engines it created."""
-    tasks.session.ENGINE_FACTORY = engine_class
-    before = CaptureEngine.instances_created
-    try:
-        result = extract_hidden_states(params=params)
-    finally:
-        tasks.session.ENGINE_FACTORY = CaptureEngine
-    return result, CaptureEngine.instances_created - before
+@flow(name="extract-hidden-states")
+def flow_with(params: PipelineParams, engines: CountingEngines) -> dict:
+    """The pipeline flow's body with an injected engine factory (the deployed flow always uses CaptureEngine)."""
+    return pipeline(params, engines)
+
+
+def run_flow_with(engine_class, params, **options):
+    """The flow with `engine_class` as its engine; returns its result (or state) and how many engines it made."""
+    engines = CountingEngines(engine_class)
+    return flow_with(params, engines, **options), engines.created
 
 
 def test_third_of_five_shards_fails_once_and_the_engine_is_created_once(first_run):
     tmp, params, result, engines_created = first_run
-    manifest = contract.read_manifest(tmp / "dataset")
+    manifest = read_manifest(tmp / "dataset")
     assert len(manifest["shards"]) == 5
     assert FailsOnceOnThirdShard.failures == 1
     assert engines_created == 1
@@ -81,22 +85,20 @@ def test_third_of_five_shards_fails_once_and_the_engine_is_created_once(first_ru
 
 def test_a_second_run_hits_the_cache_for_every_shard_and_loads_no_model(first_run):
     tmp, params, first, _ = first_run
-    before = CaptureEngine.instances_created
-    result = extract_hidden_states(params=params)
-    assert CaptureEngine.instances_created == before
+    result, engines_created = run_flow_with(CaptureEngine, params)
+    assert engines_created == 0
     assert result["cache_hits"] == 5 and result["computed"] == 0
-    assert result["manifest"] == first["manifest"]
+    assert result["extract"] == first["extract"]
 
 
 def test_a_lost_shard_is_recomputed_alone(first_run):
     tmp, params, first, _ = first_run
-    contract.shard_path(tmp / "dataset", "shard-00003").unlink()
-    before = CaptureEngine.instances_created
-    result = extract_hidden_states(params=params)
-    assert CaptureEngine.instances_created == before + 1
+    shard_path(tmp / "dataset", "shard-00003").unlink()
+    result, engines_created = run_flow_with(CaptureEngine, params)
+    assert engines_created == 1
     assert result["computed"] == 1 and result["cache_hits"] == 4
     assert json.loads((tmp / "dataset" / "manifest.json").read_text())["shards"] == \
-        contract.read_manifest(tmp / "dataset")["shards"]
+        read_manifest(tmp / "dataset")["shards"]
 
 
 def test_validation_failures_are_not_retried_and_become_an_artifact(first_run):
@@ -107,7 +109,7 @@ def test_validation_failures_are_not_retried_and_become_an_artifact(first_run):
 
     tmp, _, _, _ = first_run
     params = pipeline_params(tmp, first_run[1].model.path, min_loss_tokens=10 ** 6)
-    state = extract_hidden_states(params=params, return_state=True)
+    state, _ = run_flow_with(CaptureEngine, params, return_state=True)
     assert state.is_failed()
     with pytest.raises(ValidationFailed):
         state.result()

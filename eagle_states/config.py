@@ -1,4 +1,8 @@
-"""Pipeline parameters: a typed model that mirrors params.yaml (the Prefect UI form, the CLI and DVC all use it)."""
+"""The pipeline's parameters: one typed model that mirrors params.yaml and holds every default. The CLI, the Prefect
+flow's form, the DVC stages and the bench all load it; what the engine and the extraction need are views of it.
+
+`SHARD_BYTES_SETTINGS` is the one list of the settings that decide a shard's bytes: it feeds the shard cache key
+(receipts and Prefect), the manifest's engine record and the extract stage's `params:` in dvc.yaml."""
 
 from __future__ import annotations
 
@@ -6,9 +10,16 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_PARAMS_FILE = Path("params.yaml")
+
+# What decides a shard's bytes besides its samples, the model and the capture code. The batching settings are
+# here because a step's composition changes the float results (to the bit); `max_model_len` (which rows are
+# accepted), `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
+# `data_parallel_size` and `gpu_ids` change where and how fast, not what.
+SHARD_BYTES_SETTINGS = ("extract.layer_ids", "extract.dtype", "extract.shard_max_tokens",
+                        "extract.max_num_batched_tokens", "extract.max_num_seqs", "extract.tensor_parallel_size")
 
 
 class _Section(BaseModel):
@@ -40,7 +51,8 @@ class ExtractParams(_Section):
     input: Optional[str] = Field(None, description="prepared directory or JSONL of token ids; default: prepare.out")
     layer_ids: Union[Literal["eagle3"], list[int]] = Field("eagle3", description="'eagle3' = [2, N//2, N-3, N]")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    shard_max_tokens: int = Field(32768, gt=0)
+    shard_max_tokens: int = Field(8192, gt=0, description="tokens per shard; a multiple of max_num_batched_tokens "
+                                  "(32768 on a GPU)")
     max_model_len: int = Field(4096, gt=1)
     max_num_batched_tokens: int = Field(8192, gt=0)
     max_num_seqs: int = Field(64, gt=0)
@@ -53,9 +65,12 @@ class ExtractParams(_Section):
     @field_validator("layer_ids", mode="before")
     @classmethod
     def _parse_layer_ids(cls, value):
-        if isinstance(value, str) and value != "eagle3":
-            return [int(part) for part in value.split(",") if part.strip()]
-        return value
+        if isinstance(value, str) and value.strip() != "eagle3":
+            try:
+                return [int(part) for part in value.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError(f"layer ids {value!r}: give 'eagle3' or integers separated by commas") from None
+        return value.strip() if isinstance(value, str) else value
 
 
 class ValidateParams(_Section):
@@ -92,19 +107,47 @@ class PipelineParams(_Section):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
+    @model_validator(mode="after")
+    def _settings_agree(self):
+        e = self.extract
+        if e.shard_max_tokens % e.max_num_batched_tokens:
+            raise ValueError(f"extract.shard_max_tokens ({e.shard_max_tokens}) must be a multiple of "
+                             f"extract.max_num_batched_tokens ({e.max_num_batched_tokens}): a shard's last step is "
+                             "otherwise part-filled")
+        if self.prepare.max_length > e.max_model_len - 1:
+            raise ValueError(f"prepare.max_length ({self.prepare.max_length}) must be below extract.max_model_len "
+                             f"({e.max_model_len}): the engine takes at most max_model_len - 1 prompt tokens")
+        return self
+
     @property
     def extract_input(self) -> str:
+        """The extraction's input: `extract.input`, else what `prepare` writes."""
         return self.extract.input or self.prepare.out
+
+    def setting(self, dotted: str):
+        section, key = dotted.split(".", 1)
+        return getattr(self.validate_ if section == "validate" else getattr(self, section), key)
+
+    def override(self, overrides: dict) -> "PipelineParams":
+        """A copy with dotted overrides such as {"extract.layer_ids": "2,3,5"} (None = not given), checked again."""
+        return PipelineParams.model_validate(_apply(self.model_dump(by_alias=True), overrides))
+
+    def shard_bytes_settings(self) -> dict:
+        """The settings of SHARD_BYTES_SETTINGS, by their dotted names."""
+        return {name: self.setting(name) for name in SHARD_BYTES_SETTINGS}
 
 
 def load_params(path: Path | None = None, overrides: dict | None = None) -> PipelineParams:
     """params.yaml (if present), then dotted overrides such as {"extract.layer_ids": "2,3,5"} (None = not given)."""
     path = Path(path) if path else DEFAULT_PARAMS_FILE
     data = yaml.safe_load(path.read_text()) if path.exists() else {}
-    data = data or {}
-    for dotted, value in (overrides or {}).items():
+    return PipelineParams.model_validate(_apply(data or {}, overrides or {}))
+
+
+def _apply(data: dict, overrides: dict) -> dict:
+    for dotted, value in overrides.items():
         if value is None:
             continue
         section, key = dotted.split(".", 1)
         data.setdefault(section, {})[key] = value
-    return PipelineParams.model_validate(data)
+    return data

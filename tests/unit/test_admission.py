@@ -3,9 +3,17 @@ first step (the step's content decides its float results, and so the shard's byt
 
 import pytest
 
-from eagle_states.engine import EngineSettings, InputSample, first_step_fits_beside
+from eagle_states.capture.engine import EngineSettings, first_step_fits_beside
+from eagle_states.capture.protocol import SetupReply
+from eagle_states.dataset.prepared import InputSample
 
-KV = {"kv_cache_blocks": 1000, "kv_cache_groups": 1, "kv_block_tokens": 16}
+
+def kv_cache(blocks: int, groups: int = 1) -> SetupReply:
+    return SetupReply(num_layers=1, hidden_size=64, device="cpu", vllm_version="test", kv_cache_blocks=blocks,
+                      kv_cache_groups=groups, kv_block_tokens=16)
+
+
+KV = kv_cache(1000)
 
 
 def samples(*lengths: int) -> list[InputSample]:
@@ -13,7 +21,9 @@ def samples(*lengths: int) -> list[InputSample]:
 
 
 def settings() -> EngineSettings:
-    return EngineSettings(model="m", layer_ids=(1,), max_num_seqs=8, max_num_batched_tokens=256)
+    return EngineSettings(model="m", layer_ids=(1,), num_layers=2, hidden_size=64, dtype="float32", max_model_len=4096,
+                          max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.2,
+                          tensor_parallel_size=1, write_threads=1)
 
 
 def test_a_first_step_with_room_for_the_running_requests_fits():
@@ -36,5 +46,5 @@ def test_a_first_step_capped_by_max_num_seqs_never_fits_beside_running_requests(
 def test_kv_cache_blocks_count_whole_prompts_per_group(groups, fits):
     # running: 2 x (ceil(200 / 16) + 1) = 28 blocks per group; the first step holds only the first 300-token
     # sample (the 256-token budget is spent, the rest of it is chunked later) but reserves its whole prompt: 20
-    kv = {"kv_cache_blocks": 90, "kv_cache_groups": groups, "kv_block_tokens": 16}
+    kv = kv_cache(90, groups)
     assert first_step_fits_beside(samples(200, 200), samples(300, 300), settings(), kv) is fits

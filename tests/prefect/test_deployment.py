@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from helpers import REPO
 
 BIN = Path(sys.executable).parent
 PROJECT_FILES = ["eagle_states", "flows", "tasks", "dvc.yaml", "params.yaml", "prefect.yaml", "pyproject.toml",
@@ -44,7 +44,7 @@ def repo(tmp_path_factory):
             shutil.copy(source, target)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["prepare"]["limit"] = 12
-    params["extract"]["shard_max_tokens"] = 1500
+    params["extract"].update(shard_max_tokens=1536, max_num_batched_tokens=512)
     params["export"]["formats"] = ["speculators"]
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     sh("git", "init", "-q", cwd=repo)
@@ -74,6 +74,23 @@ def test_second_repro_does_nothing(repo):
     out = sh("dvc", "repro", cwd=repo).stdout
     for stage in ("prepare", "extract", "validate"):
         assert f"Running stage '{stage}'" not in out, out
+
+
+def test_settings_that_change_no_byte_leave_dvc_and_every_shard_cached(repo):
+    repo, _, _ = repo
+    original = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(original)
+    params["extract"].update(write_threads=2, gpu_memory_utilization=0.15, max_model_len=3000)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        status = sh("dvc", "status", cwd=repo).stdout
+        assert "extract:" not in status and "prepare:" not in status, status
+        shards = {p.name: p.stat().st_mtime_ns for p in (repo / "work" / "dataset" / "shards").iterdir()}
+        out = sh("eagle-states", "extract", "--no-progress", cwd=repo)
+        assert "capture engine ready" not in out.stderr  # no model loaded: every shard's receipt still holds
+        assert {p.name: p.stat().st_mtime_ns for p in (repo / "work" / "dataset" / "shards").iterdir()} == shards
+    finally:
+        (repo / "params.yaml").write_text(original)
 
 
 def test_prefect_flow_and_dvc_repro_give_identical_bytes(repo):

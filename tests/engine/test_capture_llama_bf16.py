@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from conftest import write_prompt_jsonl
-from eagle_states import contract
-from eagle_states.extract import run_extraction
-from reference import hf_states, load_hf, rel_error
+from eagle_states.dataset.reader import Dataset
+from eagle_states.extraction.driver import Extraction, run_extraction
+from helpers import hf_states, load_hf, rel_error, write_prompt_jsonl
 from test_capture_llama import LAYERS, prompts, settings  # noqa: F401  (prompts is a fixture)
 
 
@@ -14,14 +13,14 @@ from test_capture_llama import LAYERS, prompts, settings  # noqa: F401  (prompts
 def bf16_dataset(tmp_path_factory, llama_model, prompts):
     tmp = tmp_path_factory.mktemp("bf16")
     source = write_prompt_jsonl(tmp / "prompts.jsonl", prompts)
-    run_extraction(settings(llama_model, "bfloat16"), source, tmp / "dataset", progress=False)
+    run_extraction(Extraction(settings(llama_model, source, tmp / "dataset", "bfloat16")), progress=False)
     return tmp / "dataset"
 
 
 def test_bf16_within_twice_hf_own_bf16_error(bf16_dataset, prompts, llama_model):
     hf_fp32 = load_hf(llama_model, torch.float32)
     hf_bf16 = load_hf(llama_model, torch.bfloat16)
-    dataset = contract.Dataset(bf16_dataset)
+    dataset = Dataset(bf16_dataset)
     assert dataset.manifest["dtype"] == "bfloat16"
     for sample, prompt in zip(dataset, prompts):
         if len(prompt) < 16:  # relative errors of a handful of rows say little

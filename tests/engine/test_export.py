@@ -6,20 +6,22 @@ import json
 import pytest
 import torch
 
-from conftest import random_prompts, write_prompt_jsonl
-from eagle_states import contract
+from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.reader import Dataset
 from eagle_states.export import ExportRefused, export_dataset
-from eagle_states.extract import ExtractionSettings, run_extraction
+from eagle_states.extraction.driver import Extraction, run_extraction
 from eagle_states.validate import validate_dataset
+from helpers import extraction_params, random_prompts, write_prompt_jsonl
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, llama_model):
     tmp = tmp_path_factory.mktemp("export")
     source = write_prompt_jsonl(tmp / "prompts.jsonl", random_prompts([5, 17, 40, 3, 64, 9, 120], 300, seed=9))
-    settings = ExtractionSettings(model=llama_model, layer_ids="eagle3", dtype="float32", shard_max_tokens=100,
-                                  max_model_len=256, max_num_batched_tokens=64, gpu_memory_utilization=0.1)
-    run_extraction(settings, source, tmp / "dataset", progress=False)
+    params = extraction_params(llama_model, source, tmp / "dataset", dtype="float32", shard_max_tokens=100,
+                               max_model_len=256, max_num_batched_tokens=50, max_num_seqs=16,
+                               gpu_memory_utilization=0.2)
+    run_extraction(Extraction(params), progress=False)
     assert validate_dataset(tmp / "dataset", report=tmp / "validation.json").valid
     return tmp / "dataset", tmp / "validation.json"
 
@@ -29,8 +31,8 @@ def test_speculators_reads_our_export_with_its_own_loader(dataset, tmp_path):
 
     path, report = dataset
     info = export_dataset(path, tmp_path / "spec", "speculators", report, progress=False)
-    assert info["manifest_sha256"] == contract.sha256_file(path / "manifest.json")
-    ours = contract.Dataset(path)
+    assert info["manifest_sha256"] == sha256_file(path / "manifest.json")
+    ours = Dataset(path)
     theirs = ArrowDataset(max_len=512, datapath=tmp_path / "spec", on_missing="raise",
                           hidden_states_dtype=torch.float32)
     assert len(theirs) == len(ours)
@@ -62,7 +64,7 @@ def test_round_trip(dataset, tmp_path, fmt):
     path, report = dataset
     out = tmp_path / fmt
     export_dataset(path, out, fmt, report, progress=False)
-    ours = contract.Dataset(path)
+    ours = Dataset(path)
     for i, sid in enumerate(ours.sample_ids):
         sample = ours[sid]
         if fmt == "specforge":
@@ -94,9 +96,9 @@ def test_refusals(dataset, tmp_path, llama_model):
     with pytest.raises(ExportRefused, match="has not passed validation"):
         export_dataset(path, tmp_path / "x", "speculators", tmp_path / "no-report.json", progress=False)
     source = write_prompt_jsonl(tmp_path / "p.jsonl", random_prompts([5, 7], 300))
-    settings = ExtractionSettings(model=llama_model, layer_ids=[0, 2, 4], dtype="float32", max_model_len=64,
-                                  gpu_memory_utilization=0.1)
-    run_extraction(settings, source, tmp_path / "no-final", progress=False)
+    params = extraction_params(llama_model, source, tmp_path / "no-final", layer_ids=[0, 2, 4], dtype="float32",
+                               max_model_len=64, gpu_memory_utilization=0.2)
+    run_extraction(Extraction(params), progress=False)
     assert validate_dataset(tmp_path / "no-final", report=tmp_path / "v.json").valid
     for fmt in ("speculators", "specforge"):
         with pytest.raises(ExportRefused, match="final state"):

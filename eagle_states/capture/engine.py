@@ -1,4 +1,5 @@
-"""A vLLM engine with the capture worker, driven through vLLM's public API (LLM, SamplingParams, collective_rpc).
+"""The engine driver: a vLLM engine with the capture worker, driven through vLLM's public API (LLM, SamplingParams,
+collective_rpc) and the typed calls of `protocol.py`.
 
 `CaptureEngine.extract(jobs)` feeds shards to the engine and collects their files, which the workers write while
 the following shards run.
@@ -6,9 +7,6 @@ the following shards run.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import os
 import zlib
@@ -18,42 +16,32 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from eagle_states import contract
-from eagle_states.vllm_capture import SAMPLE_ID_KEY, CaptureError, check_poll_agreement, check_replies
+from eagle_states.capture import protocol as p
+from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError
+from eagle_states.dataset.layout import shard_sample_order
+from eagle_states.dataset.prepared import InputSample
 
 log = logging.getLogger(__name__)
-WORKER_EXTENSION = "eagle_states.vllm_capture.CaptureWorkerExtension"
+WORKER_EXTENSION = "eagle_states.capture.worker.CaptureWorkerExtension"
+SEED = 0  # vLLM's seed; prefill with one sampled token at temperature 0 does not use it
 
 
 @dataclass(frozen=True)
 class EngineSettings:
+    """What an engine is built with: a view of the pipeline's parameters (`config.PipelineParams`, where every
+    default lives) with the layer ids and dtype resolved against the model; no defaults of its own."""
     model: str
     layer_ids: tuple[int, ...]
-    dtype: str = "auto"
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    write_threads: int = 4
+    num_layers: int  # config.json's decoder layers and width: the loaded model must agree
+    hidden_size: int
+    dtype: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    write_threads: int
     extra_engine_args: dict = field(default_factory=dict, hash=False)
-
-
-@dataclass
-class InputSample:
-    sample_id: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    source_row: int
-
-    @functools.cached_property
-    def digest(self) -> bytes:
-        """sha256 of the sample's id, tokens, mask and source row (the input and shard content hashes use it)."""
-        h = hashlib.sha256(json.dumps([self.sample_id, self.source_row]).encode())
-        h.update(np.asarray(self.input_ids, dtype=np.int64).tobytes())
-        h.update(np.asarray(self.loss_mask, dtype=np.uint8).tobytes())
-        return h.digest()
 
 
 @dataclass
@@ -77,11 +65,11 @@ def ids_crc(input_ids: list[int]) -> int:
 
 
 def first_step_fits_beside(running: list[InputSample], samples: list[InputSample], settings: EngineSettings,
-                           kv_cache: dict) -> bool:
+                           kv_cache: p.SetupReply) -> bool:
     """Whether the scheduler's first step of `samples` (admitted in this order, first come first served) is the
     same with the `running` requests still in the engine as without them: running requests count against
     `max_num_seqs` and hold KV cache blocks. Counted conservatively: whole prompts, and one block more per
-    request and KV cache group. `kv_cache`: the worker's kv_cache_blocks, kv_cache_groups, kv_block_tokens."""
+    request and KV cache group. `kv_cache`: the worker's setup reply (KV cache blocks, groups, block size)."""
     budget, first = settings.max_num_batched_tokens, []
     for sample in samples:
         if budget <= 0 or len(first) == settings.max_num_seqs:
@@ -90,16 +78,14 @@ def first_step_fits_beside(running: list[InputSample], samples: list[InputSample
         budget -= len(sample.input_ids)
 
     def blocks(group: list[InputSample]) -> int:
-        per_block = kv_cache["kv_block_tokens"]
-        return kv_cache["kv_cache_groups"] * sum(-(-len(x.input_ids) // per_block) + 1 for x in group)
+        per_block = kv_cache.kv_block_tokens
+        return kv_cache.kv_cache_groups * sum(-(-len(x.input_ids) // per_block) + 1 for x in group)
     return (len(running) + len(first) <= settings.max_num_seqs
-            and blocks(running) + blocks(first) < kv_cache["kv_cache_blocks"])  # block 0 is vLLM's null block
+            and blocks(running) + blocks(first) < kv_cache.kv_cache_blocks)  # block 0 is vLLM's null block
 
 
 class CaptureEngine:
     """One loaded model with hooks installed. Create it once; every shard and retry reuses it."""
-
-    instances_created = 0  # counted so tests can assert that a model was (not) loaded
 
     def __init__(self, settings: EngineSettings):
         # Hooks need eager mode and the V1 model runner (V2 has its own forward path).
@@ -110,7 +96,6 @@ class CaptureEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        CaptureEngine.instances_created += 1  # on the base class, so subclasses count too
         self.settings = settings
         engine_args = dict(settings.extra_engine_args)
         if current_platform.is_cpu():
@@ -121,26 +106,27 @@ class CaptureEngine:
             model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
             gpu_memory_utilization=settings.gpu_memory_utilization,
-            tensor_parallel_size=settings.tensor_parallel_size, seed=settings.seed,
+            tensor_parallel_size=settings.tensor_parallel_size, seed=SEED,
             enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=True,
             worker_extension_cls=WORKER_EXTENSION, **engine_args)
         self.world_size = settings.tensor_parallel_size
-        setup = self._rpc("eagle_setup", list(settings.layer_ids), settings.write_threads)
-        self.num_layers, self.hidden_size = setup["num_layers"], setup["hidden_size"]
-        self.kv_cache = {k: setup[k] for k in ("kv_cache_blocks", "kv_cache_groups", "kv_block_tokens")}
+        setup = self._rpc(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
+                                  hidden_size=settings.hidden_size, write_threads=settings.write_threads))
+        log.info("capture engine ready: vLLM %s on %s, %d layers, capturing %s", setup.vllm_version, setup.device,
+                 setup.num_layers, list(settings.layer_ids))
+        self.kv_cache = setup
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self._request_counter = 0
         self._queued: dict[str, ShardJob] = {}  # shard path -> job whose file is being written
         self._reports: dict[str, dict[int, dict]] = {}  # shard path -> rank -> that rank's report
 
-    def _rpc(self, method: str, *args):
-        """Call every worker; returns the writer rank's payload once the replies' structure is checked."""
-        return check_replies(self.llm.collective_rpc(method, args=args), method, self.world_size)
+    def _rpc_all(self, call: p.Message) -> list[p.Envelope]:
+        """Call every worker; returns their envelopes once checked (`protocol.check_replies`)."""
+        return p.check_replies(self.llm.collective_rpc(p.ENTRY_POINT, args=(call,)), call, self.world_size)
 
-    def _rpc_all(self, method: str, *args) -> list[dict]:
-        replies = self.llm.collective_rpc(method, args=args)
-        check_replies(replies, method, self.world_size)
-        return replies
+    def _rpc(self, call: p.Message):
+        """Call every worker; returns the writer rank's reply."""
+        return p.writer_payload(self._rpc_all(call))
 
     def _sampling_params(self, sample_id: str):
         from vllm import SamplingParams
@@ -168,8 +154,9 @@ class CaptureEngine:
                 if not job.samples:
                     raise ValueError(f"shard {job.name} has no samples")
                 samples = self._in_file_order(job)
-                self._rpc("eagle_begin_shard", str(job.path), [s.sample_id for s in samples],
-                          [len(s.input_ids) for s in samples], [s.loss_mask for s in samples])
+                self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
+                                       num_tokens=[len(s.input_ids) for s in samples],
+                                       loss_masks=[s.loss_mask for s in samples]))
                 self._queued[str(job.path)] = job
                 self._reports[str(job.path)] = {}
                 for sample in samples:
@@ -181,7 +168,7 @@ class CaptureEngine:
                 unlaunched = {s.sample_id for s in samples}
                 while unlaunched:
                     yield from self._step(in_flight, unlaunched)
-                self._rpc("eagle_end_shard", str(job.path))  # returns at once: the workers finish writing it
+                self._rpc(p.EndShard(path=str(job.path)))  # returns at once: the workers finish writing it
                 job = next(jobs, None)
                 while job is not None and in_flight and not first_step_fits_beside(
                         list(in_flight.values()), self._in_file_order(job), self.settings, self.kv_cache):
@@ -197,7 +184,7 @@ class CaptureEngine:
     def _in_file_order(job: ShardJob) -> list[InputSample]:
         """A shard's samples in its file's order: admitted so, they are captured in the order they are written."""
         by_id = {s.sample_id: s for s in job.samples}
-        return [by_id[sid] for sid in contract.shard_sample_order(list(by_id))]
+        return [by_id[sid] for sid in shard_sample_order(list(by_id))]
 
     def _step(self, in_flight: dict[str, InputSample], unlaunched: set[str]) -> Iterator[ShardResult]:
         """One engine step; forgets finished requests and launched samples, yields the shards written since."""
@@ -215,33 +202,51 @@ class CaptureEngine:
         the writer rank saw launched leave `unlaunched`."""
         if not self._queued:
             return
-        for reply in self._rpc_all("eagle_poll", wait):
-            if reply["writer"] and unlaunched is not None:
-                unlaunched.difference_update(reply["payload"]["launched"])
-            for path, report in reply["payload"]["shards"].items():
-                self._reports[path][reply["rank"]] = report
+        for reply in self._rpc_all(p.Poll(wait=wait)):
+            if reply.writer and unlaunched is not None:
+                unlaunched.difference_update(reply.payload.launched)
+            for path, report in reply.payload.shards.items():
+                self._reports[path][reply.rank] = report
         for path in list(self._queued):
             if len(self._reports[path]) < self.world_size:
                 if wait:
                     raise CaptureError(f"shard {path}: ranks {sorted(self._reports[path])} reported after waiting")
                 continue
-            report = check_poll_agreement(self._reports.pop(path), self.world_size, path)
+            report = p.check_shard_agreement(self._reports.pop(path), self.world_size, path)
             job = self._queued.pop(path)
             for sample in job.samples:
-                seen, expected = report["samples"].get(sample.sample_id), [len(sample.input_ids),
-                                                                           ids_crc(sample.input_ids)]
+                seen, expected = report.samples.get(sample.sample_id), (len(sample.input_ids),
+                                                                        ids_crc(sample.input_ids))
                 if seen != expected:
                     raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
                                        f"(tokens, ids crc) = {seen}, the prompt is {expected}")
-            yield ShardResult(job.name, report["sha256"], report["bytes"],
+            yield ShardResult(job.name, report.sha256, report.bytes,
                               {s.sample_id: len(s.input_ids) for s in job.samples})
 
-    def capture_stats(self) -> dict:
-        """The writer rank's counters: captured steps, rows, decode rows dropped, seconds the forward pass waited
-        for host buffers (back-pressure from writing), the monotonic time of the last captured step, and all
-        forward passes with the device's time in them and idle between them (the gap before the first pass after
-        each call is not counted)."""
-        return self._rpc("eagle_stats")
+    def capture_stats(self) -> p.StatsReply:
+        """The writer rank's counters (`protocol.StatsReply`; the gap before the first pass after each call is
+        not counted)."""
+        return self._rpc(p.Stats())
+
+    def plain_prefill(self, prompts: list[list[int]]) -> None:
+        """Prefill without capture (requests without a sample id are not captured): the bench's baseline."""
+        from vllm import SamplingParams
+
+        self.llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                          SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+
+    def is_dead(self, error: BaseException) -> bool:
+        """Whether the engine can no longer serve: vLLM says it is dead, or a one-token request through it fails."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(error, EngineDeadError):
+            return True
+        try:
+            self.plain_prefill([[0]])
+            self._rpc(p.Poll(wait=False))
+            return False
+        except Exception:
+            return True
 
     def reset(self, request_ids: list[str] = ()):
         """After a failure: abort our requests and drop half-captured samples, keeping the model loaded."""
@@ -250,7 +255,7 @@ class CaptureEngine:
                 self.llm.llm_engine.abort_request(list(request_ids))
             while self.llm.llm_engine.has_unfinished_requests():
                 self.llm.llm_engine.step()
-            self._rpc("eagle_discard")
+            self._rpc(p.Discard())
             self._queued, self._reports = {}, {}
         except Exception:  # a dead engine cannot be reset; the caller restarts it
             log.exception("could not reset the capture engine")
@@ -286,3 +291,29 @@ class EngineHolder:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()
+
+
+class RestartingEngines(EngineHolder):
+    """An engine holder that restarts a dead engine once: every shard and retry shares one engine."""
+
+    def __init__(self, factory: Callable[[EngineSettings], CaptureEngine] = CaptureEngine, restarts: int = 1):
+        super().__init__(factory)
+        self.restarts_left = restarts
+
+    def restart_if_dead(self, error: BaseException) -> bool:
+        """True if the engine was dead and was dropped, so that the next attempt loads a fresh one."""
+        if self.engine is None or self.restarts_left <= 0 or not self.engine.is_dead(error):
+            return False
+        self.restarts_left -= 1
+        try:
+            self.close()
+        except Exception:  # a dead engine may fail to shut down; it is dropped either way
+            self.engine = None
+        return True
+
+
+def running_on_cpu() -> bool:
+    """Whether vLLM runs on its CPU build (engines then own cores instead of GPUs)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

@@ -9,20 +9,23 @@ import json
 import pytest
 import torch
 
-from conftest import random_prompts, write_prompt_jsonl
-from eagle_states import contract
-from eagle_states.engine import EngineHolder
-from eagle_states.extract import Extraction, ExtractionSettings, run_extraction
-from eagle_states.vllm_capture import SAMPLE_ID_KEY
-from reference import hf_states, load_hf, rel_error
+from eagle_states.capture import protocol as p
+from eagle_states.capture.engine import EngineHolder
+from eagle_states.capture.protocol import SAMPLE_ID_KEY
+from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.layout import LAYER_SEMANTICS, MANIFEST_FILE, shard_path
+from eagle_states.dataset.reader import Dataset
+from eagle_states.extraction.driver import Extraction, run_extraction
+from helpers import extraction_params, hf_states, load_hf, random_prompts, rel_error, write_prompt_jsonl
 
 LAYERS = [0, 2, 4, 5, 8]  # the embeddings, then the EAGLE-3 default of an 8-layer model
 LENGTHS = [1, 2, 5, 17, 63, 64, 65, 130, 200, 257, 40, 40, 9, 100, 33, 3]
 
 
-def settings(model, dtype):
-    return ExtractionSettings(model=model, layer_ids=LAYERS, dtype=dtype, shard_max_tokens=300, max_model_len=512,
-                              max_num_batched_tokens=64, max_num_seqs=16, gpu_memory_utilization=0.2)
+def settings(model, source, out, dtype):
+    return extraction_params(model, source, out, layer_ids=LAYERS, dtype=dtype, shard_max_tokens=320,
+                             max_model_len=512, max_num_batched_tokens=64, max_num_seqs=16,
+                             gpu_memory_utilization=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,8 @@ def prompts():
 def fp32_dataset(tmp_path_factory, llama_model, engines, prompts):
     tmp = tmp_path_factory.mktemp("fp32")
     source = write_prompt_jsonl(tmp / "prompts.jsonl", prompts)
-    run_extraction(settings(llama_model, "float32"), source, tmp / "dataset", progress=False, engines=engines)
+    run_extraction(Extraction(settings(llama_model, source, tmp / "dataset", "float32")), progress=False,
+                   engines=engines)
     return tmp / "dataset"
 
 
@@ -53,9 +57,9 @@ def hf_fp32(llama_model):
 
 
 def test_layout_and_prompts(fp32_dataset, prompts):
-    dataset = contract.Dataset(fp32_dataset)
+    dataset = Dataset(fp32_dataset)
     assert dataset.manifest["layer_ids"] == LAYERS
-    assert dataset.manifest["layer_semantics"] == contract.LAYER_SEMANTICS
+    assert dataset.manifest["layer_semantics"] == LAYER_SEMANTICS
     assert len(dataset.manifest["shards"]) > 1
     assert dataset.sample_ids == [f"p{i:03d}" for i in range(len(prompts))]
     for sample, prompt in zip(dataset, prompts):
@@ -66,7 +70,7 @@ def test_layout_and_prompts(fp32_dataset, prompts):
 
 
 def test_fp32_matches_hf(fp32_dataset, prompts, hf_fp32):
-    dataset = contract.Dataset(fp32_dataset)
+    dataset = Dataset(fp32_dataset)
     worst = 0.0
     for sample, prompt in zip(dataset, prompts):
         reference = hf_states(hf_fp32, prompt, LAYERS)
@@ -82,7 +86,7 @@ def test_fp32_matches_hf(fp32_dataset, prompts, hf_fp32):
 
 
 def test_identical_prompts_give_identical_states(fp32_dataset):
-    dataset = contract.Dataset(fp32_dataset)
+    dataset = Dataset(fp32_dataset)
     a, b = dataset["p010"], dataset["p011"]
     assert all(torch.equal(x, y) for x, y in zip(a.hidden_states, b.hidden_states))
 
@@ -94,15 +98,15 @@ def test_warmup_and_decode_rows_are_never_stored(tmp_path, llama_model, engines,
     prompt = random_prompts([70], 300, seed=7)[0]
     # A plain generation (no sample id), like a warm-up: the worker must record nothing.
     engine.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert engine._rpc("eagle_discard")["discarded"] == []
+    assert engine._rpc(p.Discard()).samples == []
     # A captured request that also decodes: only its 70 prompt rows may be stored.
     engine.llm.generate([{"prompt_token_ids": prompt}],
                         SamplingParams(max_tokens=5, ignore_eos=True, extra_args={SAMPLE_ID_KEY: "decoding"}),
                         use_tqdm=False)
     path = tmp_path / "decode.safetensors"
-    engine._rpc("eagle_begin_shard", str(path), ["decoding"], [70], [[1] * 70])
-    engine._rpc("eagle_end_shard", str(path))
-    assert engine._rpc("eagle_poll", True)["shards"][str(path)]["samples"]["decoding"][0] == 70
+    engine._rpc(p.BeginShard(path=str(path), sample_ids=["decoding"], num_tokens=[70], loss_masks=[[1] * 70]))
+    engine._rpc(p.EndShard(path=str(path)))
+    assert engine._rpc(p.Poll(wait=True)).shards[str(path)].samples["decoding"][0] == 70
     from safetensors.torch import load_file
 
     tensors = load_file(path)
@@ -124,7 +128,8 @@ def test_a_shard_given_up_half_way_leaves_no_file_and_a_clean_engine(tmp_path, l
     engine = engines.engine
     first, second = random_prompts([90, 30], 300, seed=11)
     path = tmp_path / "given-up.safetensors"
-    engine._rpc("eagle_begin_shard", str(path), ["a", "b"], [90, 30], [[1] * 90, [1] * 30])
+    engine._rpc(p.BeginShard(path=str(path), sample_ids=["a", "b"], num_tokens=[90, 30],
+                             loss_masks=[[1] * 90, [1] * 30]))
     engine.llm.generate([{"prompt_token_ids": first}],
                         SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "a"}), use_tqdm=False)
     deadline = time.monotonic() + 30
@@ -134,12 +139,12 @@ def test_a_shard_given_up_half_way_leaves_no_file_and_a_clean_engine(tmp_path, l
     engine.reset()  # "b" never comes
     assert list(tmp_path.iterdir()) == []
     again = tmp_path / "again.safetensors"
-    engine._rpc("eagle_begin_shard", str(again), ["b"], [30], [[1] * 30])
+    engine._rpc(p.BeginShard(path=str(again), sample_ids=["b"], num_tokens=[30], loss_masks=[[1] * 30]))
     engine.llm.generate([{"prompt_token_ids": second}],
                         SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "b"}), use_tqdm=False)
-    engine._rpc("eagle_end_shard", str(again))
-    report = engine._rpc("eagle_poll", True)["shards"][str(again)]
-    assert report["sha256"] == contract.sha256_file(again) and report["samples"]["b"][0] == 30
+    engine._rpc(p.EndShard(path=str(again)))
+    report = engine._rpc(p.Poll(wait=True)).shards[str(again)]
+    assert report.sha256 == sha256_file(again) and report.samples["b"][0] == 30
     from safetensors.torch import load_file
 
     tensors = load_file(again)
@@ -155,12 +160,12 @@ def test_rerun_resumes_only_unfinished_shards(tmp_path, llama_model, engines, pr
     out = tmp_path / "dataset"
     shutil.copytree(fp32_dataset, out)
     source = write_prompt_jsonl(tmp_path / "prompts.jsonl", prompts)
-    before = json.loads((out / contract.MANIFEST_FILE).read_text())
-    contract.shard_path(out, "shard-00001").unlink()  # lost
-    with open(contract.shard_path(out, "shard-00002"), "r+b") as f:  # changed after it was written
+    before = json.loads((out / MANIFEST_FILE).read_text())
+    shard_path(out, "shard-00001").unlink()  # lost
+    with open(shard_path(out, "shard-00002"), "r+b") as f:  # changed after it was written
         f.seek(200)
         f.write(b"\0\0\0\0")
-    extraction = Extraction(settings(llama_model, "float32"), source, out)
+    extraction = Extraction(settings(llama_model, source, out, "float32"))
     computed = []
     after = extraction.run(engines, lambda shard, cached: computed.append(shard.name) if not cached else None)
     assert computed == ["shard-00001", "shard-00002"]

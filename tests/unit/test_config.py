@@ -1,0 +1,72 @@
+"""One chain of settings: params.yaml holds config's defaults, settings that cannot go together are refused when
+loaded, what decides a shard's bytes is declared once (and dvc.yaml agrees), layer ids resolve once, and only the
+capture package imports vLLM."""
+
+import re
+import shutil
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from eagle_states.config import SHARD_BYTES_SETTINGS, PipelineParams, load_params
+from eagle_states.dataset.layout import LayerSelection
+from eagle_states.extraction.driver import CAPTURE_CODE, PACKAGE, capture_code_version
+from helpers import REPO
+
+
+def test_params_yaml_is_the_defaults():
+    assert load_params(REPO / "params.yaml") == PipelineParams()
+
+
+def test_dvc_extract_stage_depends_on_exactly_the_byte_deciding_settings():
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert stages["extract"]["params"] == list(SHARD_BYTES_SETTINGS)
+    deps = stages["extract"]["deps"]
+    assert all(f"eagle_states/{name}" in deps for name in CAPTURE_CODE)
+    for stage in stages.values():  # exact keys that exist, never a whole section
+        for key in stage.get("params", []):
+            PipelineParams().setting(key)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"extract.shard_max_tokens": 1000, "extract.max_num_batched_tokens": 512}, "must be a multiple of"),
+    ({"prepare.max_length": 4096}, "must be below extract.max_model_len"),
+    ({"extract.layer_ids": "1,2,x"}, "give 'eagle3' or integers separated by commas"),
+    ({"extract.write_thread": 2}, "Extra inputs are not permitted"),
+])
+def test_settings_that_do_not_go_together_are_refused_when_loaded(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        PipelineParams().override(overrides)
+
+
+def test_layer_ids_are_parsed_from_a_string_and_resolved_once():
+    assert PipelineParams().override({"extract.layer_ids": "2, 4,6"}).extract.layer_ids == [2, 4, 6]
+    layers = LayerSelection.resolve("eagle3", 8)
+    assert layers.layer_ids == (2, 4, 5, 8) and layers.layer_id(3) == 8 and layers.ends_with_final_state()
+    assert not LayerSelection.resolve([1, 2], 8).ends_with_final_state()
+    with pytest.raises(ValueError, match=r"outside 0..8"):
+        LayerSelection.resolve([1, 9], 8)
+    with pytest.raises(ValueError, match="duplicates"):
+        LayerSelection.resolve([1, 1], 8)
+
+
+def test_the_capture_code_hash_covers_the_capture_not_the_reader(tmp_path):
+    copy = tmp_path / "eagle_states"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = capture_code_version(copy)
+    assert before == capture_code_version()
+    for untouched in ("dataset/reader.py", "validate.py", "cli.py", "dataset/manifest.py"):
+        with open(copy / untouched, "a") as f:
+            f.write("\n# an edit that changes no shard\n")
+    assert capture_code_version(copy) == before
+    with open(copy / "capture/worker.py", "a") as f:
+        f.write("\n# an edit of the capture\n")
+    assert capture_code_version(copy) != before
+
+
+def test_only_the_capture_package_imports_vllm():
+    importing = sorted(str(path.relative_to(REPO)) for folder in ("eagle_states", "flows", "tasks")
+                       for path in (REPO / folder).rglob("*.py")
+                       if re.search(r"^\s*(import vllm|from vllm)", path.read_text(), re.M))
+    assert importing and all(path.startswith("eagle_states/capture/") for path in importing), importing

@@ -1,0 +1,64 @@
+"""Files as the dataset writes them: every byte written, across the streaming and O_DIRECT paths, and nothing
+left behind by a failed write."""
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from eagle_states.dataset.files import DirectFile, StreamingFile, atomic_file, atomic_write_bytes
+
+
+def test_free_disk_blocks_keeps_the_size_and_gives_the_blocks_back(tmp_path):
+    from eagle_states.bench import free_disk_blocks
+
+    path = tmp_path / "shard.bin"
+    atomic_write_bytes(path, os.urandom(8 << 20))
+    assert path.stat().st_blocks * 512 >= 8 << 20
+    free_disk_blocks(path)
+    assert path.stat().st_size == 8 << 20 and path.stat().st_blocks * 512 < 1 << 20
+    assert path.read_bytes() == bytes(8 << 20)  # a hole reads as zeros
+
+
+def test_streaming_file_writes_every_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(StreamingFile, "WRITEBACK_BYTES", 4096)  # hand ranges to the disk often
+    pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536, 3)]
+    pieces.append(torch.arange(5000, dtype=torch.int32).view(torch.uint8).numpy())
+    with atomic_file(tmp_path / "f.bin") as f:
+        for piece in pieces:
+            f.write(piece)
+        assert f.handed > 0 and f.previous is not None
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+    data = (tmp_path / "f.bin").read_bytes()
+    assert hashlib.sha256(data).digest() == hashlib.sha256(expected).digest()
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temp file left
+
+
+def test_a_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_file(tmp_path / "f.bin") as f:
+            f.write(b"x" * 100)
+            raise RuntimeError("writer died")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_direct_file_writes_every_byte_across_buffers_and_an_unaligned_tail(tmp_path, monkeypatch):
+    monkeypatch.setattr(DirectFile, "CHUNK", 2 * DirectFile.ALIGN)  # switch buffers often
+    pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536, 8192, 3)]
+    pieces.append(torch.arange(5000, dtype=torch.int32).view(torch.uint8).numpy())
+    with atomic_file(tmp_path / "f.bin", direct=True) as f:
+        assert isinstance(f, DirectFile), "this filesystem refused O_DIRECT"
+        for piece in pieces:
+            f.write(piece)
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+    assert (tmp_path / "f.bin").read_bytes() == expected
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_a_failed_direct_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with atomic_file(tmp_path / "f.bin", direct=True) as f:
+            f.write(os.urandom(DirectFile.CHUNK + 100))  # one buffer on its way to the disk
+            raise RuntimeError("writer died")
+    assert list(tmp_path.iterdir()) == []
