@@ -29,7 +29,7 @@ def pipeline_params(tmp_path, llama_model, **validate) -> PipelineParams:
         "data": {"path": str(tmp_path / "conversations.jsonl")},
         "prepare": {"out": str(tmp_path / "prepared"), "limit": 20},
         "extract": {"shard_max_tokens": 1536, "max_model_len": 2049, "max_num_batched_tokens": 512,
-                    "gpu_memory_utilization": 0.1, "dtype": "float32"},
+                    "gpu_memory_utilization": 0.2, "dtype": "float32"},
         "validate": validate or {"min_loss_tokens": 1},
         "output": {"dir": str(tmp_path / "dataset"), "prefect_results": str(tmp_path / "results")}})
 
