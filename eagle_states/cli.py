@@ -117,7 +117,25 @@ def cmd_run(args) -> int:
     print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
                       "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
                       "cache_hits": result["cache_hits"], "computed": result["computed"],
-                      "valid": result["validation"]["valid"]}))
+                      "valid": result["validation"]["valid"], "stage_seconds": result["stage_seconds"],
+                      "workers": result["workers"]}))
+    return 0
+
+
+def cmd_engine_worker(args) -> int:
+    import importlib
+    import os
+
+    if args.gpus:  # before vLLM starts: the devices (CPU build: the cores) this engine owns
+        from eagle_states.capture.engine import running_on_cpu
+
+        os.environ["VLLM_CPU_OMP_THREADS_BIND" if running_on_cpu() else "CUDA_VISIBLE_DEVICES"] = \
+            args.gpus.replace(",", "|") if running_on_cpu() else args.gpus
+    params = _load(args)
+    from tasks.engine_worker import serve
+
+    module, _, name = args.engine_factory.partition(":")
+    serve(params, getattr(importlib.import_module(module), name), limit=args.limit)
     return 0
 
 
@@ -177,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="dataset directory (default: output.dir)")
     layer_flags(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("engine-worker", help="load the model once and compute shards that Prefect flow runs submit, "
+                                             "until stopped (needs PREFECT_API_URL: a Prefect server)")
+    params_flag(p)
+    model_flag(p)
+    layer_flags(p)
+    p.add_argument("--gpus", help="the GPUs this engine uses, e.g. 0,1 (CPU build: cores, e.g. 0|1 or 0,1) "
+                                  "(default: what CUDA_VISIBLE_DEVICES / VLLM_CPU_OMP_THREADS_BIND say)")
+    p.add_argument("--limit", type=int, default=2, help="shard tasks at once; two keep the next shard in the engine "
+                                                        "while the current one finishes (default: %(default)s)")
+    p.add_argument("--engine-factory", default="eagle_states.capture.engine:CaptureEngine",
+                   help="module:callable that builds the engine from its settings (default: %(default)s)")
+    p.set_defaults(func=cmd_engine_worker)
 
     p = sub.add_parser("inputs", help="build the demo inputs if asked for; record the model and data identity")
     params_flag(p)

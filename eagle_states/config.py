@@ -58,7 +58,12 @@ class ExtractParams(_Section):
     max_num_seqs: int = Field(64, gt=0)
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="on the CPU build: share of host memory for KV")
     tensor_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1, description="engines, each on its own GPU group (CLI extract)")
+    data_parallel_size: int = Field(1, ge=1, description="engine workers started on this machine for the run, each "
+                                    "on its own GPU group (CPU build: core group)")
+    engine: Literal["auto", "workers", "in-process"] = Field(
+        "auto", description="auto: the engine workers serving this model and these settings if the Prefect server "
+                            "lists any, else an engine in the flow run; workers: wait for engine workers; "
+                            "in-process: always the flow run's own engine")
     gpu_ids: Optional[list[int]] = Field(None, description="GPUs to use, tensor_parallel_size per engine")
     write_threads: int = Field(4, ge=1, description="shard writer threads (4 kept the H200 disk busiest)")
 

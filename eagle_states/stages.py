@@ -1,6 +1,6 @@
 """The pipeline's steps, one function each, from the typed parameters (`config.PipelineParams`) to a small typed
 result. The command line, the Prefect tasks and the DVC stages (through the command line) call these and
-nothing else; nothing here imports Prefect."""
+nothing else. Nothing here imports Prefect, except data parallelism, which runs on Prefect's task workers."""
 
 from __future__ import annotations
 
@@ -130,12 +130,17 @@ def _extract_outcome(params: PipelineParams, manifest: dict) -> ExtractOutcome:
 
 def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None) -> ExtractOutcome:
     """Capture every unfinished shard and finalize the dataset: with one engine in this process, or with
-    `extract.data_parallel_size` engines."""
+    `extract.data_parallel_size` engine workers started on this machine for it (fed through Prefect)."""
+    extraction = open_extraction(params)
     if params.extract.data_parallel_size > 1:
-        from eagle_states.parallel import run_data_parallel
+        from tasks.dispatch import dispatch
+        from tasks.local_workers import local_engine_workers
 
-        return _extract_outcome(params, run_data_parallel(params))
-    return _extract_outcome(params, run_extraction(open_extraction(params), progress=progress, engines=engines))
+        if extraction.unfinished():
+            with local_engine_workers(params, extraction.serving_key, params.extract.data_parallel_size):
+                dispatch(extraction, params)
+        return finalize(extraction)
+    return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
 
 
 # -- validate ----------------------------------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Callable
 
 from prefect import flow, get_run_logger
@@ -14,12 +14,16 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
+from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
+from tasks.dispatch import dispatch, serving_workers
 from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.prepare import prepare_task
+from tasks.local_workers import local_engine_workers
 from tasks.publish import publish_task
 from tasks.session import Session, extraction_session
+from tasks.shard_work import results_storage
 from tasks.validate import validate_task
 
 
@@ -36,7 +40,7 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     with timed(stages, "prepare"):
         prepare_task(params)
     with timed(stages, "extract"), extraction_session(params, engine_factory) as session:
-        outcomes = run_shards(session, params.output.prefect_results)
+        outcomes = compute_shards(session, params)
         extracted = finalize_dataset_task(session.key)
         lengths = [len(s.input_ids) for s in session.extraction.samples]
     with timed(stages, "validate"):
@@ -48,10 +52,42 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
     return {"dataset": params.output.dir, "extract": asdict(extracted), "validation": summary,
             "exports": [asdict(e) for e in exports], "published": asdict(published) if published else None,
-            "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes)}
+            "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes),
+            "stage_seconds": stages, "workers": sorted({o.worker for o in outcomes if o.computed and o.worker})}
 
 
-def run_shards(session: Session, results_dir: str) -> list:
+def compute_shards(session: Session, params: PipelineParams) -> list[ShardOutcome]:
+    """Every shard on disk: on engine workers when they serve this model and these settings (or on local ones
+    started for the run, with `extract.data_parallel_size` > 1), else on the flow run's own engine."""
+    extraction, logger = session.extraction, get_run_logger()
+    dp = params.extract.data_parallel_size
+    use_workers = dp > 1 or params.extract.engine == "workers" or (
+        params.extract.engine == "auto" and serving_workers(extraction.serving_key))
+    if not use_workers:
+        logger.info("no engine worker serves %s with these settings: the flow run loads the model itself",
+                    params.model.path)
+        return run_shards(session, params.output.prefect_results)
+    progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
+    done = [ShardOutcome(s.name, r["sha256"], r["bytes"], len(r["samples"]),
+                         sum(x["num_tokens"] for x in r["samples"]), False)
+            for s in extraction.shards if (r := extraction.receipt(s)) is not None]
+
+    def on_done(outcome: ShardOutcome):
+        done.append(outcome)
+        update_progress_artifact(progress, 100.0 * len(done) / len(extraction.shards))
+    workers = local_engine_workers(params, extraction.serving_key, dp) if dp > 1 and extraction.unfinished() \
+        else contextlib.nullcontext()
+    with workers:
+        dispatch(extraction, params, on_done)
+    update_progress_artifact(progress, 100.0)
+    outcomes = sorted(done, key=lambda o: o.shard)
+    computed = sum(o.computed for o in outcomes)
+    logger.info("%d shards: %d found finished, %d computed by engine workers", len(outcomes),
+                len(outcomes) - computed, computed)
+    return outcomes
+
+
+def run_shards(session: Session, results_dir: str) -> list[ShardOutcome]:
     """One task per shard, in order; a shard whose output is missing or altered refreshes its cache entry. The
     shards are computed as one engine pass (`ShardStream`), so a shard's file is written while the next runs."""
     from tqdm import tqdm
@@ -72,18 +108,6 @@ def run_shards(session: Session, results_dir: str) -> list:
     computed = sum(o.computed for o in outcomes)
     get_run_logger().info("%d shards: %d cache hits, %d computed", len(names), len(names) - computed, computed)
     return outcomes
-
-
-def results_storage(directory: str) -> str:
-    """A saved local-file-system block for the workspace's results directory (Prefect stores only references)."""
-    import hashlib
-
-    from prefect.filesystems import LocalFileSystem
-
-    path = str(Path(directory).resolve())
-    name = f"eagle-states-results-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
-    LocalFileSystem(basepath=path).save(name, overwrite=True)
-    return f"local-file-system/{name}"
 
 
 @contextmanager

@@ -3,8 +3,14 @@ engine factory that counts the models it loads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -14,6 +20,7 @@ from eagle_states.config import PipelineParams
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
+BIN = Path(sys.executable).parent
 
 
 def random_prompts(lengths, vocab_size, seed=0):
@@ -76,3 +83,67 @@ def hf_states(model, input_ids: list[int], layer_ids: list[int]) -> list[torch.T
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.linalg.norm(a.float() - b.float()) / torch.linalg.norm(b.float())).item()
+
+
+# -- a real Prefect server on loopback --------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path):
+    """`prefect server start` on a free loopback port; yields the environment that points at it."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env.pop("PREFECT_API_KEY", None)
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            raise RuntimeError("the Prefect server did not start: " + (home / "server.log").read_text()[-2000:])
+        yield env
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM the process group, then SIGKILL if it does not go."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+class SlowEngine(CaptureEngine):
+    """The real engine, slowed by SLOW_ENGINE_DELAY_S seconds per shard (an engine worker's --engine-factory)."""
+
+    def serve(self, next_job):
+        from eagle_states.capture.engine import END
+
+        delay = float(os.environ.get("SLOW_ENGINE_DELAY_S", "3"))
+
+        def slowed(wait):
+            job = next_job(wait)
+            if job is not None and job is not END:
+                time.sleep(delay)
+            return job
+        return super().serve(slowed)

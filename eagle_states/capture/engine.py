@@ -24,6 +24,7 @@ from eagle_states.dataset.prepared import InputSample
 log = logging.getLogger(__name__)
 WORKER_EXTENSION = "eagle_states.capture.worker.CaptureWorkerExtension"
 SEED = 0  # vLLM's seed; prefill with one sampled token at temperature 0 does not use it
+END = object()  # what a job source returns when no job will follow (`CaptureEngine.serve`)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,14 @@ class CaptureEngine:
                               extra_args={SAMPLE_ID_KEY: sample_id})
 
     def extract(self, jobs: Iterable[ShardJob]) -> Iterator[ShardResult]:
-        """Capture every job's samples; yields each shard once its file is on disk.
+        """Capture every job's samples; yields each shard once its file is on disk (`serve` over a fixed list)."""
+        iterator = iter(jobs)
+        return self.serve(lambda wait: next(iterator, END))
+
+    def serve(self, next_job: Callable[[bool], "ShardJob | None | object"]) -> Iterator[ShardResult]:
+        """Capture the shards `next_job` hands over until it returns END; yields each shard once its file is on
+        disk. `next_job(wait)` returns the next job, END, or (only when `wait` is False) None for "nothing yet":
+        the engine then finishes what it holds and asks again, waiting once it is idle.
 
         A step holds rows of one shard only, so a shard's batches depend on its own samples and its bytes do not
         depend on which shards ran beside it (resume, several engines, Prefect or DVC all give the same files).
@@ -148,9 +156,15 @@ class CaptureEngine:
         """
         in_flight: dict[str, InputSample] = {}  # request id -> its sample, until the engine finishes it
         try:
-            jobs = iter(jobs)
-            job = next(jobs, None)
-            while job is not None:
+            job = next_job(True)
+            while job is not END:
+                if job is None:  # nothing handed over yet: finish what is in the engine, then wait
+                    if in_flight:
+                        yield from self._step(in_flight, set())
+                    else:
+                        yield from self._collect(wait=True)
+                    job = next_job(not in_flight and not self._queued)
+                    continue
                 if not job.samples:
                     raise ValueError(f"shard {job.name} has no samples")
                 samples = self._in_file_order(job)
@@ -169,8 +183,8 @@ class CaptureEngine:
                 while unlaunched:
                     yield from self._step(in_flight, unlaunched)
                 self._rpc(p.EndShard(path=str(job.path)))  # returns at once: the workers finish writing it
-                job = next(jobs, None)
-                while job is not None and in_flight and not first_step_fits_beside(
+                job = next_job(False)
+                while job is not None and job is not END and in_flight and not first_step_fits_beside(
                         list(in_flight.values()), self._in_file_order(job), self.settings, self.kv_cache):
                     yield from self._step(in_flight, set())
             while in_flight:

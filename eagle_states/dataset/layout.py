@@ -8,6 +8,7 @@ order of samples in a shard file. The capture writes by these names and every re
                                          {sid}/hidden_states/{slot} [T, H] for slot = 0..L-1 in manifest order
       receipts/shard-NNNNN.json          written after each shard is on disk (used for resume; not part of a
                                          finished dataset's identity)
+      .claims/shard-NNNNN.json           while an engine worker computes the shard: which worker (heartbeat)
 
 The manifest is written last: a directory without `manifest.json` is an unfinished extraction.
 """
@@ -74,6 +75,7 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.parquet"
 SHARDS_DIR = "shards"
 RECEIPTS_DIR = "receipts"
+CLAIMS_DIR = ".claims"  # engine workers' claims on the shards they compute; removed when the dataset is finalized
 
 _SAMPLE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 
@@ -94,6 +96,10 @@ def shard_path(dataset_dir: Path, name: str) -> Path:
 
 def receipt_path(dataset_dir: Path, name: str) -> Path:
     return Path(dataset_dir) / RECEIPTS_DIR / f"{name}.json"
+
+
+def claim_path(dataset_dir: Path, name: str) -> Path:
+    return Path(dataset_dir) / CLAIMS_DIR / f"{name}.json"
 
 
 def key_input_ids(sample_id: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import logging
 import time
 from dataclasses import dataclass
@@ -79,25 +80,23 @@ def resolved_dtype(model_dir: Path, dtype: str) -> str:
     return "float32" if found == "float32" else found
 
 
-class Extraction:
-    """One dataset directory being filled from one input; `run()` does the whole thing."""
+class CaptureConfig:
+    """What an engine captures, resolved against the model: its identity, the layers, the dtype, the settings of
+    config.SHARD_BYTES_SETTINGS as they take effect, and their hash (`config_hash`), which keys every shard. An
+    engine worker serves one `serving_key`: shards of another model or other settings never reach it."""
 
     def __init__(self, params: PipelineParams):
         self.params = params
-        self.out = Path(params.output.dir)
         self.model = model_identity(Path(params.model.path))
         self.layers = LayerSelection.resolve(params.extract.layer_ids, self.model["num_layers"])
         self.dtype = resolved_dtype(Path(params.model.path), params.extract.dtype)
-        self.samples = load_input(Path(params.extract_input), self.model["vocab_size"],
-                                  params.extract.max_model_len - 1)
-        self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
-        self._intact: dict[str, dict] = {}  # shard name -> receipt, verified or written by this object
-        # the settings of config.SHARD_BYTES_SETTINGS as they take effect (layer ids and dtype resolved)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
                               "extract.dtype": self.dtype}
         self.config_hash = hash_json({
             "model": {k: v for k, v in self.model.items() if k != "path"}, "settings": self.byte_settings,
             "format_version": layout.FORMAT_VERSION, "code": capture_code_version()})
+        # an engine also needs room for the longest prompt it is given
+        self.serving_key = hash_json({"config": self.config_hash, "max_model_len": params.extract.max_model_len})
 
     def engine_settings(self) -> EngineSettings:
         e = self.params.extract
@@ -107,6 +106,18 @@ class Extraction:
                               max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                               gpu_memory_utilization=e.gpu_memory_utilization,
                               tensor_parallel_size=e.tensor_parallel_size, write_threads=e.write_threads)
+
+
+class Extraction(CaptureConfig):
+    """One dataset directory being filled from one input; `run()` does the whole thing."""
+
+    def __init__(self, params: PipelineParams):
+        super().__init__(params)
+        self.out = Path(params.output.dir)
+        self.samples = load_input(Path(params.extract_input), self.model["vocab_size"],
+                                  params.extract.max_model_len - 1)
+        self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
+        self._intact: dict[str, dict] = {}  # shard name -> receipt, verified or written by this object
 
     def cache_key(self, shard: "PlannedShard") -> str:
         """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
@@ -194,6 +205,7 @@ class Extraction:
             receipts.append(receipt)
         for shard in self.shards:  # the receipts are durable before the manifest says the dataset is finished
             fsync_path(layout.receipt_path(self.out, shard.name))
+        shutil.rmtree(self.out / layout.CLAIMS_DIR, ignore_errors=True)  # left by engine workers that died
         planned = {s.name for s in self.shards}
         for folder, suffix in ((layout.SHARDS_DIR, ".safetensors"), (layout.RECEIPTS_DIR, ".json")):
             for stale in (self.out / folder).glob("*"):

@@ -20,6 +20,10 @@ class ShardOutcome:
     num_samples: int
     num_tokens: int
     computed: bool  # False when the shard was already on disk
+    worker: str = ""  # the engine worker that computed it (host-pid); empty in the flow run's own engine
+    host: str = ""
+    devices: str = ""
+    seconds: float = 0.0  # on the worker: from the task's start to the shard's receipt
 
 
 class ShardStream:

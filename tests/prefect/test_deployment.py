@@ -2,52 +2,23 @@
 deployments from prefect.yaml, and `prefect deployment run 'extract-hidden-states/demo' --watch`."""
 
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers import REPO
+from helpers import REPO, prefect_server, stop
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path):
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    env.pop("PREFECT_API_KEY", None)
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        else:
-            raise RuntimeError("the Prefect server did not start: " + (tmp_path / "server.log").read_text()[-2000:])
+    with prefect_server(tmp_path / "prefect-home") as env:
         yield env
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
 
 
 def test_demo_deployment_runs_through_a_worker(tmp_path, server):
@@ -75,7 +46,7 @@ def test_demo_deployment_runs_through_a_worker(tmp_path, server):
     try:
         prefect("deployment", "run", "extract-hidden-states/demo", "--watch", timeout=600)
     finally:
-        stop_worker(worker)
+        stop(worker)  # a Prefect 3.7 process worker sometimes ignores the SIGTERM it forwards to itself
 
     manifest = json.loads((workspace / "work" / "dataset" / "manifest.json").read_text())
     assert manifest["num_samples"] == 12 and manifest["layer_ids"] == [2, 4, 5, 8]
@@ -91,14 +62,3 @@ def test_demo_deployment_runs_through_a_worker(tmp_path, server):
     deployments = {d["name"]: d for d in httpx.post(f"{api}/deployments/filter", json={}).json()}
     assert deployments["nightly"]["schedules"][0]["active"] is False
     assert deployments["nightly"]["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
-
-
-def stop_worker(worker: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL: a Prefect 3.7 process worker sometimes ignores the signal it forwards to itself
-    (seen once here, after its flow run had exited cleanly); its shutdown is not what this tests."""
-    os.killpg(worker.pid, signal.SIGTERM)
-    try:
-        worker.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(timeout=30)

@@ -1,0 +1,79 @@
+"""One loaded engine fed by several callers at once: each caller (an engine worker's shard task, in its own
+thread) hands over a shard and waits for its file; one thread drives the engine, so the next shard is admitted
+while the current one finishes (`CaptureEngine.serve`) and the device does not idle between shards.
+
+This is the hand-over between threads of one process, not a work queue: which shards reach this engine is
+decided by Prefect (the task worker takes a shard task when it has a free slot)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from eagle_states.capture.engine import END, CaptureEngine, ShardJob, ShardResult
+
+log = logging.getLogger(__name__)
+
+
+class EngineService:
+    def __init__(self, engine: CaptureEngine):
+        self.engine = engine
+        self._jobs: queue.Queue = queue.Queue()
+        self._waiting: dict[str, Future] = {}  # shard name -> its caller's future, until its file is on disk
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._drive, name="eagle-engine", daemon=True)
+        self._thread.start()
+
+    def compute(self, job: ShardJob) -> ShardResult:
+        """Hand a shard to the engine and wait until its file is on disk (raises what the engine raised)."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine service is closed")
+            if job.name in self._waiting:
+                raise RuntimeError(f"shard {job.name} is already being computed on this engine")
+            self._waiting[job.name] = future
+        self._jobs.put(job)
+        return future.result()
+
+    def _next_job(self, wait: bool):
+        try:
+            job = self._jobs.get(block=wait)
+        except queue.Empty:
+            return None
+        return END if job is END else job
+
+    def _drive(self):
+        """Run the engine over the shards handed over; after a failure, fail the shards it held and go on."""
+        while True:
+            try:
+                for result in self.engine.serve(self._next_job):
+                    with self._lock:
+                        future = self._waiting.pop(result.name)
+                    future.set_result(result)
+                return  # END: closed
+            except BaseException as error:  # the engine reset itself; its shards are lost, later ones are not
+                log.warning("the engine failed: %s", error)
+                with self._lock:
+                    failed, self._waiting = self._waiting, {}
+                    queued = []
+                    while not self._jobs.empty():
+                        queued.append(self._jobs.get())
+                for job in queued:
+                    if job is END:
+                        self._jobs.put(END)
+                    elif job.name in failed:  # never admitted: it gets its chance on the reset engine
+                        with self._lock:
+                            self._waiting[job.name] = failed.pop(job.name)
+                        self._jobs.put(job)
+                for future in failed.values():
+                    future.set_exception(error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._jobs.put(END)
+        self._thread.join()

@@ -1,0 +1,117 @@
+"""The coordinator's side of engine workers: submit the unfinished shards as shard tasks (`.delay()`: Prefect
+queues them and hands each to whichever serving worker has a free slot), watch them, and submit again what a
+dead or silent worker abandoned.
+
+A shard is abandoned when its claim names a worker that the Prefect server no longer lists (its websocket
+closed: seen within about a second of a SIGKILL, and counted after two polls in a row), or when the claim's
+heartbeat is older than STALE_CLAIM_S (a hung worker). When a worker disappears, shards handed to it but not yet
+started are lost with it (a task worker accepts its next run before it has a free slot), so every pending shard
+that no live worker claims is submitted again; a copy that reaches a worker after the shard was finished finds
+its receipt and returns at once. Receipts decide what is done, so nothing is counted twice or half."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from eagle_states.config import PipelineParams
+from eagle_states.extraction.driver import Extraction
+from eagle_states.extraction.stream import ShardOutcome
+from eagle_states.dataset.layout import claim_path
+from tasks.engine_worker import read_claim
+from tasks.shard_work import results_storage, shard_task, submitted_shard, task_key
+
+log = logging.getLogger("eagle_states.dispatch")
+POLL_S = 0.5
+STALE_CLAIM_S = 30.0
+NO_WORKER_S = 120.0  # how long pending shards wait with no worker serving them before the run gives up
+
+
+class NoEngineWorker(RuntimeError):
+    pass
+
+
+def serving_workers(serving_key: str) -> set[str]:
+    """Task workers the Prefect server lists for this engine kind (empty without a server)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        return set()
+    with get_client(sync_client=True) as client:
+        response = client.request("POST", "/task_workers/filter",
+                                  json={"task_worker_filter": {"task_keys": [task_key(serving_key)]}})
+        response.raise_for_status()
+        return {worker["identifier"] for worker in response.json()}
+
+
+@dataclass
+class _Submitted:
+    future: object  # PrefectDistributedFuture
+    since: float
+
+
+def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> list[ShardOutcome]:
+    """Compute every unfinished shard on the engine workers; returns the outcomes of the shards computed or found
+    finished by them (in shard order). `on_done(outcome)` is called as each one completes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
+    from prefect.states import Crashed
+
+    task = shard_task(submitted_shard, extraction.serving_key, results_storage(params.output.prefect_results))
+    request = params.model_dump(mode="json", by_alias=True)
+    todo = {s.name: s for s in extraction.unfinished()}
+    extraction.begin()
+
+    def submit(name: str) -> _Submitted:
+        return _Submitted(task.delay(request, name, extraction.cache_key(todo[name])), time.monotonic())
+
+    pending = {name: submit(name) for name in todo}
+    log.info("%d shards submitted to the engine workers (task key %s)", len(pending), task.task_key)
+    outcomes: dict[str, ShardOutcome] = {}
+    seen, missing, no_worker_since = set(), set(), None  # workers listed so far; absent at the last poll
+    with get_client(sync_client=True) as client:
+        while pending:
+            time.sleep(POLL_S)
+            runs = {run.id: run for run in client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(
+                any_=[s.future.task_run_id for s in pending.values()])), limit=len(pending))}
+            for name, sub in list(pending.items()):
+                run = runs.get(sub.future.task_run_id)
+                if run is None or run.state is None:
+                    continue
+                if run.state.is_completed():
+                    outcome = ShardOutcome(**sub.future.result())
+                    outcomes[name] = outcome
+                    del pending[name]
+                    if on_done:
+                        on_done(outcome)
+                elif run.state.is_failed() or run.state.is_crashed():
+                    sub.future.result()  # raises the shard's error (the worker already retried it)
+            alive = serving_workers(extraction.serving_key)
+            claims = {name: read_claim(claim_path(extraction.out, name)) for name in pending}
+            absent = (seen | {c[0]["worker"] for c in claims.values() if c}) - alive
+            gone, missing = absent & missing, absent  # absent twice in a row: gone
+            seen = (seen | alive) - gone
+            no_worker_since = None if alive else (no_worker_since or time.monotonic())
+            if pending and no_worker_since and time.monotonic() - no_worker_since > NO_WORKER_S:
+                raise NoEngineWorker(f"no engine worker serves {params.model.path} (task key {task.task_key}) "
+                                     f"and {len(pending)} shards are left: start one with `eagle-states "
+                                     "engine-worker`")
+            for name, sub in list(pending.items()):
+                claim = claims[name]
+                if claim is None:
+                    why = f"worker(s) {sorted(gone)} are gone and no live worker claims it" if gone else None
+                elif claim[0]["worker"] in gone:
+                    why = f"its worker {claim[0]['worker']} is gone"
+                elif claim[1] > STALE_CLAIM_S:
+                    why = f"its worker {claim[0]['worker']} has been silent for {claim[1]:.0f} s"
+                else:
+                    why = None
+                if why is None:
+                    continue
+                log.warning("shard %s abandoned (%s): submitting it again", name, why)
+                client.set_task_run_state(sub.future.task_run_id, Crashed(message=f"abandoned: {why}"), force=True)
+                claim_path(extraction.out, name).unlink(missing_ok=True)
+                pending[name] = submit(name)
+    return [outcomes[name] for name in sorted(outcomes)]

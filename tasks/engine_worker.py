@@ -1,0 +1,138 @@
+"""Engine workers: long-lived processes that hold one loaded model and take shard work from the Prefect server
+(Prefect task workers), so a model stays loaded across flow runs and shards go to whichever engine is free.
+
+    eagle-states engine-worker --params params.yaml [--model DIR] [--gpus 0,1]
+
+A worker computes a shard by planning the run's input (on storage every machine mounts), checking that the run
+asks for exactly what its engine captures, and handing the shard to its engine (`EngineService`). While it
+computes, it keeps a claim beside the shard's receipt fresh (`receipts/.claims/`): a coordinator that finds a
+claim of a worker that is gone, or gone quiet, takes the shard as abandoned and submits it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+from eagle_states.capture.engine import CaptureEngine, EngineSettings
+from eagle_states.capture.service import EngineService
+from eagle_states.config import PipelineParams
+from eagle_states.dataset import layout
+from eagle_states.dataset.files import atomic_write_json
+from eagle_states.extraction.driver import CaptureConfig, Extraction
+from tasks.shard_work import HEARTBEAT_S, results_storage, shard_task
+
+log = logging.getLogger("eagle_states.engine_worker")
+def worker_id() -> str:
+    """As Prefect's task worker names itself (`TaskWorker.client_id`), so its liveness can be asked of the server."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class EngineWorker:
+    """The worker's one engine and what it serves; `compute` is the body of its shard task."""
+
+    def __init__(self, params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]):
+        self.config = CaptureConfig(params)
+        self.devices = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "all"
+        self.service = EngineService(engine_factory(self.config.engine_settings()))
+        self._plans: OrderedDict[str, Extraction] = OrderedDict()  # a few runs' plans, by their parameters
+        self._lock = threading.Lock()
+
+    def _extraction(self, params: PipelineParams) -> Extraction:
+        key = params.model_dump_json()
+        with self._lock:
+            if key not in self._plans:
+                self._plans[key] = Extraction(params)
+                while len(self._plans) > 4:
+                    self._plans.popitem(last=False)
+            return self._plans[key]
+
+    def compute(self, params: dict, shard_name: str, shard_key: str) -> dict:
+        started = time.monotonic()
+        extraction = self._extraction(PipelineParams.model_validate(params))
+        if extraction.serving_key != self.config.serving_key:  # the task key says it cannot happen; checked anyway
+            raise ValueError(f"shard {shard_name} was planned for another model or other settings than this "
+                             f"engine serves ({self.config.params.model.path})")
+        shard = extraction.planned(shard_name)
+        if extraction.cache_key(shard) != shard_key:
+            raise ValueError(f"shard {shard_name}: this worker plans it differently than the coordinator did "
+                             "(the input changed after the run was planned?)")
+        receipt, computed = extraction.receipt(shard), False
+        if receipt is None:
+            with Claim(layout.claim_path(extraction.out, shard_name), self.devices):
+                (extraction.out / layout.SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+                receipt = extraction.record(shard, self.service.compute(extraction.job(shard)))
+            computed = True
+        seconds = time.monotonic() - started
+        tokens = sum(s["num_tokens"] for s in receipt["samples"])
+        log.info("%s %s on %s (devices %s): %d tokens in %.2f s", shard_name,
+                 "computed" if computed else "found finished", socket.gethostname(), self.devices, tokens, seconds)
+        return {"shard": shard_name, "sha256": receipt["sha256"], "bytes": receipt["bytes"],
+                "num_samples": len(receipt["samples"]), "num_tokens": tokens, "computed": computed,
+                "worker": worker_id(), "host": socket.gethostname(), "devices": self.devices, "seconds": seconds}
+
+
+class Claim:
+    """A file naming the worker computing a shard, touched every HEARTBEAT_S while it does; removed after."""
+
+    def __init__(self, path: Path, devices: str):
+        self.path, self.devices = path, devices
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        atomic_write_json(self.path, {"worker": worker_id(), "host": socket.gethostname(), "devices": self.devices,
+                                      "since": time.time()}, durable=False)
+        self._beat = threading.Thread(target=self._touch, daemon=True)
+        self._beat.start()
+        return self
+
+    def _touch(self):
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except FileNotFoundError:  # finalized under us: nothing left to claim
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._beat.join()
+        self.path.unlink(missing_ok=True)
+
+
+def read_claim(path: Path) -> tuple[dict, float] | None:
+    """The claim and the seconds since its last heartbeat, or None."""
+    try:
+        return json.loads(path.read_text()), time.time() - path.stat().st_mtime
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine] = CaptureEngine,
+          limit: int = 2) -> None:
+    """Load the engine, then take shard tasks from the Prefect server until stopped. `limit` shard tasks run at
+    once: with two, the next shard is already in the engine while the current one finishes."""
+    from prefect.task_worker import TaskWorker
+
+    worker = EngineWorker(params, engine_factory)
+    task = shard_task(worker.compute, worker.config.serving_key, results_storage(params.output.prefect_results))
+    log.info("engine worker %s serves %s (layers %s, %s) as task key %s", worker_id(), params.model.path,
+             list(worker.config.layers.layer_ids), worker.config.dtype, task.task_key)
+
+    async def run():
+        task_worker = TaskWorker(task, limit=limit)
+        for served in task_worker.tasks:  # TaskWorker copies its tasks, and a copy derives its key anew
+            served.task_key = task.task_key
+        await task_worker.start()
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.service.close()
