@@ -38,5 +38,23 @@ def render_markdown(*, dataset: str, manifest: dict, validation: dict, outcomes:
         *[f"| {stage} | {seconds:.1f} |" for stage, seconds in stage_seconds.items()],
         "", "## Token lengths", "", "| tokens | samples | |", "|---|---:|---|",
         *[f"| {label} | {count} | `{bar}` |" for label, count, bar in length_histogram(lengths)],
+        *worker_table(computed, extract_s),
     ]
     return "\n".join(lines) + "\n"
+
+
+def worker_table(computed: list, extract_s: float) -> list[str]:
+    """Who computed what, when engine workers did: shards, tokens and tokens/s over the extract stage's time."""
+    by_worker: dict[tuple[str, str], list] = {}
+    for outcome in computed:
+        if outcome.worker:
+            by_worker.setdefault((outcome.worker, outcome.devices), []).append(outcome)
+    if not by_worker:
+        return []
+    rows = ["", "## Engine workers", "", "| worker (host-pid) | devices | shards | tokens | tokens/s |",
+            "|---|---|---:|---:|---:|"]
+    for (worker, devices), done in sorted(by_worker.items()):
+        tokens = sum(o.num_tokens for o in done)
+        rows.append(f"| {worker} | {devices} | {len(done)} | {tokens:,} | "
+                    f"{tokens / extract_s if extract_s else 0:,.0f} |")
+    return rows

@@ -33,12 +33,9 @@ class NoEngineWorker(RuntimeError):
 
 
 def serving_workers(serving_key: str) -> set[str]:
-    """Task workers the Prefect server lists for this engine kind (empty without a server)."""
+    """Task workers the Prefect server lists for this engine kind (in ephemeral mode: the temporary server's)."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import get_current_settings
 
-    if not get_current_settings().api.url:
-        return set()
     with get_client(sync_client=True) as client:
         response = client.request("POST", "/task_workers/filter",
                                   json={"task_worker_filter": {"task_keys": [task_key(serving_key)]}})

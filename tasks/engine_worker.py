@@ -22,6 +22,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
 
+from prefect import get_run_logger
+
 from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.capture.service import EngineService
 from eagle_states.config import PipelineParams
@@ -73,7 +75,7 @@ class EngineWorker:
             computed = True
         seconds = time.monotonic() - started
         tokens = sum(s["num_tokens"] for s in receipt["samples"])
-        log.info("%s of %s %s on %s (devices %s): %d tokens in %.2f s", shard_name, extraction.out,
+        get_run_logger().info("%s of %s %s on %s (devices %s): %d tokens in %.2f s", shard_name, extraction.out,
                  "computed" if computed else "found finished", socket.gethostname(), self.devices, tokens, seconds)
         return {"shard": shard_name, "sha256": receipt["sha256"], "bytes": receipt["bytes"],
                 "num_samples": len(receipt["samples"]), "num_tokens": tokens, "computed": computed,

@@ -44,7 +44,8 @@ def extraction_params(model: Path, source: Path, out: Path, **extract) -> Pipeli
     return PipelineParams.model_validate({
         "model": {"path": str(model), "build_demo_if_missing": False},
         "prepare": {"max_length": min(2048, max_model_len - 1)},
-        "extract": {"input": str(source), **extract}, "output": {"dir": str(out)}})
+        "extract": {"input": str(source), **extract},
+        "output": {"dir": str(out), "prefect_results": str(Path(out).parent / ".prefect-results")}})
 
 
 class CountingEngines:

@@ -1,21 +1,19 @@
-"""Tensor and data parallel extraction on the CPU build (one core per rank or engine)."""
+"""Tensor parallel extraction on the CPU build (one core per rank)."""
 
 import pytest
 import torch
 
-from eagle_states.dataset.manifest import read_manifest
 from eagle_states.dataset.reader import Dataset
 from eagle_states.extraction.driver import Extraction, run_extraction
-from eagle_states.parallel import run_data_parallel
 from helpers import extraction_params, random_prompts, write_prompt_jsonl
 
 PROMPTS = random_prompts([1, 9, 40, 64, 65, 130, 17, 3], 300, seed=11)
 
 
-def settings(model, source, out, layers, tp=1, dp=1):
+def settings(model, source, out, layers, tp=1):
     return extraction_params(model, source, out, layer_ids=layers, dtype="float32", shard_max_tokens=128,
                              max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
-                             gpu_memory_utilization=0.15, tensor_parallel_size=tp, data_parallel_size=dp)
+                             gpu_memory_utilization=0.15, tensor_parallel_size=tp)
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek"])
@@ -33,15 +31,3 @@ def test_tp2_equals_tp1(tmp_path, llama_model, deepseek_model, monkeypatch, arch
         for j, (x, y) in enumerate(zip(a.hidden_states, b.hidden_states)):
             err = (torch.linalg.norm(x - y) / torch.linalg.norm(x)).item()
             assert err < 1e-5, f"{a.sample_id} layer {layers[j]}: TP=2 differs from TP=1 by {err:.2e}"
-
-
-def test_two_engines_write_the_same_dataset_as_one(tmp_path, llama_model, monkeypatch):
-    source = write_prompt_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # both runs compute with one core per engine
-    run_extraction(Extraction(settings(llama_model, source, tmp_path / "one", "eagle3")), progress=False)
-    run_data_parallel(settings(llama_model, source, tmp_path / "two", "eagle3", dp=2))
-    one, two = (read_manifest(tmp_path / d) for d in ("one", "two"))
-    assert len(one["shards"]) >= 4
-    assert [s["sha256"] for s in two["shards"]] == [s["sha256"] for s in one["shards"]]
-    assert (tmp_path / "two" / "manifest.json").read_bytes() == (tmp_path / "one" / "manifest.json").read_bytes()
-    assert (tmp_path / "two" / "index.parquet").read_bytes() == (tmp_path / "one" / "index.parquet").read_bytes()

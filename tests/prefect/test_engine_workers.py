@@ -135,6 +135,14 @@ def test_two_workers_take_the_shards_as_they_are_free_and_match_one_engine(clust
     assert fast + slow == SHARDS and slow >= 1 and fast > slow, (fast, slow)
     # a fixed half-and-half split would keep the slowed worker busy for at least SHARDS / 2 * DELAY_S
     assert first["stage_seconds"]["extract"] < SHARDS / 2 * DELAY_S, first["stage_seconds"]
+    # the UI: each shard's task run logs the worker that computed it; the summary has a table of workers
+    api = cluster.env["PREFECT_API_URL"]
+    logs = httpx.post(f"{api}/logs/filter", json={"limit": 200, "logs": {"task_run_id": {"is_null_": False}}}).json()
+    assert sum(" computed on " in entry["message"] and "(devices " in entry["message"] for entry in logs) >= SHARDS
+    summaries = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["extraction-summary"]}},
+                                                           "sort": "CREATED_DESC", "limit": 1}).json()
+    table = summaries[0]["data"].split("## Engine workers")[1]
+    assert set(first["workers"]) == {line.split(" | ")[0].strip("| ") for line in table.splitlines()[4:] if line}
 
 
 def test_a_killed_flow_run_loses_nothing_and_reloads_no_model(cluster, reference):
