@@ -11,9 +11,10 @@ its receipt and returns at once. Receipts decide what is done, so nothing is cou
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 from eagle_states.config import PipelineParams
 from eagle_states.extraction.driver import Extraction
@@ -24,6 +25,7 @@ from tasks.shard_work import results_storage, shard_task, submitted_shard, task_
 
 log = logging.getLogger("eagle_states.dispatch")
 POLL_S = 0.5
+SUBMIT_THREADS = 4
 STALE_CLAIM_S = 30.0
 NO_WORKER_S = 120.0  # how long pending shards wait with no worker serving them before the run gives up
 
@@ -43,12 +45,6 @@ def serving_workers(serving_key: str) -> set[str]:
         return {worker["identifier"] for worker in response.json()}
 
 
-@dataclass
-class _Submitted:
-    future: object  # PrefectDistributedFuture
-    since: float
-
-
 def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> list[ShardOutcome]:
     """Compute every unfinished shard on the engine workers; returns the outcomes of the shards computed or found
     finished by them (in shard order). `on_done(outcome)` is called as each one completes."""
@@ -61,10 +57,15 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
     todo = {s.name: s for s in extraction.unfinished()}
     extraction.begin()
 
-    def submit(name: str) -> _Submitted:
-        return _Submitted(task.delay(request, name, extraction.cache_key(todo[name])), time.monotonic())
+    def submit(name: str):
+        return task.delay(request, name, extraction.cache_key(todo[name]))  # a PrefectDistributedFuture
 
-    pending = {name: submit(name) for name in todo}
+    # submitted from a few threads: one submission is several round trips to the server and its storage, and
+    # one at a time they came slower than two CPU engines computed (bench/engine_workers.py)
+    # (each in a copy of this thread's context, so that its task run belongs to the flow run)
+    contexts = [contextvars.copy_context() for _ in todo]
+    with ThreadPoolExecutor(max_workers=SUBMIT_THREADS, thread_name_prefix="eagle-submit") as pool:
+        pending = dict(zip(todo, pool.map(lambda ctx, name: ctx.run(submit, name), contexts, todo)))
     log.info("%d shards submitted to the engine workers (task key %s)", len(pending), task.task_key)
     outcomes: dict[str, ShardOutcome] = {}
     seen, missing, no_worker_since = set(), set(), None  # workers listed so far; absent at the last poll
@@ -72,19 +73,19 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
         while pending:
             time.sleep(POLL_S)
             runs = {run.id: run for run in client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(
-                any_=[s.future.task_run_id for s in pending.values()])), limit=len(pending))}
-            for name, sub in list(pending.items()):
-                run = runs.get(sub.future.task_run_id)
+                any_=[f.task_run_id for f in pending.values()])), limit=len(pending))}
+            for name, future in list(pending.items()):
+                run = runs.get(future.task_run_id)
                 if run is None or run.state is None:
                     continue
                 if run.state.is_completed():
-                    outcome = ShardOutcome(**sub.future.result())
+                    outcome = ShardOutcome(**future.result())
                     outcomes[name] = outcome
                     del pending[name]
                     if on_done:
                         on_done(outcome)
                 elif run.state.is_failed() or run.state.is_crashed():
-                    sub.future.result()  # raises the shard's error (the worker already retried it)
+                    future.result()  # raises the shard's error (the worker already retried it)
             alive = serving_workers(extraction.serving_key)
             claims = {name: read_claim(claim_path(extraction.out, name)) for name in pending}
             absent = (seen | {c[0]["worker"] for c in claims.values() if c}) - alive
@@ -95,7 +96,7 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
                 raise NoEngineWorker(f"no engine worker serves {params.model.path} (task key {task.task_key}) "
                                      f"and {len(pending)} shards are left: start one with `eagle-states "
                                      "engine-worker`")
-            for name, sub in list(pending.items()):
+            for name, future in list(pending.items()):
                 claim = claims[name]
                 if claim is None:
                     why = f"worker(s) {sorted(gone)} are gone and no live worker claims it" if gone else None
@@ -108,7 +109,7 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
                 if why is None:
                     continue
                 log.warning("shard %s abandoned (%s): submitting it again", name, why)
-                client.set_task_run_state(sub.future.task_run_id, Crashed(message=f"abandoned: {why}"), force=True)
+                client.set_task_run_state(future.task_run_id, Crashed(message=f"abandoned: {why}"), force=True)
                 claim_path(extraction.out, name).unlink(missing_ok=True)
                 pending[name] = submit(name)
     return [outcomes[name] for name in sorted(outcomes)]

@@ -1,0 +1,122 @@
+"""Engine workers against the flow run's own engine, measured side by side in one run on one machine: the same
+prompts and shards computed (a) by an engine in this process, (b) by one engine worker fed through a real Prefect
+server, (c) by two workers, (d) by one worker again (a-b-c-d, so a drift of the machine shows). Each engine owns
+one core (CPU build) or one GPU. Prints tokens/s of each, the ratio of two workers to one, and the dispatch
+overhead per shard (what one worker adds over the in-process engine, per shard).
+
+    python3 bench/engine_workers.py WORKDIR [--shards 16] [--shard-tokens 2048] [--hidden 512] [--layers 8]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import BIN, prefect_server, random_prompts, stop, write_prompt_jsonl  # noqa: E402
+
+from eagle_states.capture.engine import EngineHolder  # noqa: E402
+from eagle_states.config import PipelineParams  # noqa: E402
+from eagle_states.demo import make_demo_model  # noqa: E402
+from eagle_states.extraction.driver import Extraction, run_extraction  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("work")
+    parser.add_argument("--shards", type=int, default=16)
+    parser.add_argument("--shard-tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    model = make_demo_model(work / "model", num_layers=args.layers, hidden_size=args.hidden,
+                            num_heads=args.hidden // 64)
+    prompt_len = args.shard_tokens // 4
+    source = write_prompt_jsonl(work / "prompts.jsonl", random_prompts([prompt_len] * (4 * args.shards), 500, seed=3))
+    base = {"model": {"path": str(model), "build_demo_if_missing": False},
+            "prepare": {"max_length": prompt_len},
+            "extract": {"input": str(source), "dtype": args.dtype, "shard_max_tokens": args.shard_tokens,
+                        "max_num_batched_tokens": args.shard_tokens // 2, "max_model_len": prompt_len + 16,
+                        "gpu_memory_utilization": 0.15},
+            "output": {"dir": str(work / "unused"), "prefect_results": str(work / "results")}}
+    tokens = 4 * args.shards * prompt_len
+
+    def params(out: str) -> PipelineParams:
+        return PipelineParams.model_validate({**base, "output": {**base["output"], "dir": str(work / out)}})
+
+    results = {}
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    holder = EngineHolder()
+    holder(Extraction(params("warm")).engine_settings())  # loaded before the clock starts
+    started = time.monotonic()
+    run_extraction(Extraction(params("in-process")), progress=False, engines=holder)
+    results["in_process_s"] = time.monotonic() - started
+    holder.close()
+
+    with prefect_server(work / "server") as env:
+        os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+        from tasks.dispatch import dispatch, serving_workers  # noqa: E402  (after the API is set)
+
+        key = Extraction(params("warm")).serving_key
+        (work / "worker.yaml").write_text(yaml.safe_dump(params("worker").model_dump(mode="json", by_alias=True)))
+        workers = []
+
+        def start(core: int):
+            log = open(work / f"worker-{core}.log", "w")
+            workers.append(subprocess.Popen(
+                [str(BIN / "eagle-states"), "engine-worker", "--params", str(work / "worker.yaml")],
+                env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(core), "CUDA_VISIBLE_DEVICES": str(core)},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            while len(serving_workers(key)) < len(workers):
+                time.sleep(1)
+
+        def timed(name: str) -> None:
+            extraction = Extraction(params(name))
+            started = time.monotonic()
+            dispatch(extraction, extraction.params)
+            results[f"{name}_s"] = time.monotonic() - started
+            extraction.finalize()
+
+        try:
+            start(0)
+            timed("one_worker")
+            start(1)
+            timed("two_workers")
+            stop(workers.pop())
+            while len(serving_workers(key)) > 1:
+                time.sleep(0.5)
+            timed("one_worker_again")
+        finally:
+            for proc in workers:
+                stop(proc)
+    shas = {name: [s["sha256"] for s in json.loads((work / name / "manifest.json").read_text())["shards"]]
+            for name in ("in-process", "one_worker", "two_workers", "one_worker_again")}
+    one = (results["one_worker_s"] + results["one_worker_again_s"]) / 2
+    summary = {**results, "shards": args.shards, "tokens": tokens, "shard_tokens": args.shard_tokens,
+               "in_process_tok_s": tokens / results["in_process_s"], "one_worker_tok_s": tokens / one,
+               "two_workers_tok_s": tokens / results["two_workers_s"], "two_over_one": one / results["two_workers_s"],
+               "dispatch_overhead_per_shard_s": (one - results["in_process_s"]) / args.shards,
+               "identical_bytes": all(v == shas["in-process"] for v in shas.values())}
+    print(f"in-process engine   {summary['in_process_tok_s']:,.0f} tokens/s ({results['in_process_s']:.1f} s)")
+    print(f"one engine worker   {summary['one_worker_tok_s']:,.0f} tokens/s ({results['one_worker_s']:.1f} s, "
+          f"again {results['one_worker_again_s']:.1f} s)")
+    print(f"two engine workers  {summary['two_workers_tok_s']:,.0f} tokens/s ({results['two_workers_s']:.1f} s)")
+    print(f"two / one workers   {summary['two_over_one']:.2f} x")
+    print(f"dispatch overhead   {summary['dispatch_overhead_per_shard_s']:.2f} s per shard (one worker against "
+          f"the in-process engine, {args.shards} shards of {args.shard_tokens} tokens)")
+    print(f"identical shards    {summary['identical_bytes']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
