@@ -61,6 +61,15 @@ def find_decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
         "vLLM models with fused residual decoder layers (Llama family, DeepSeek-V2/V3, Qwen, Mistral, ...)")
 
 
+def check_loaded_model(num_layers: int, hidden_size: int | None, setup: p.Setup) -> None:
+    """The layer ids were resolved against config.json (and the manifest records it): the loaded model must be the
+    one it describes."""
+    if (num_layers, hidden_size) != (setup.num_layers, setup.hidden_size):
+        raise CaptureError(f"the loaded model has {num_layers} decoder layers of width {hidden_size}, config.json "
+                           f"says {setup.num_layers} of width {setup.hidden_size}: the model directory and its "
+                           "config disagree")
+
+
 def _argument_getter(layer: torch.nn.Module, name: str):
     params = list(inspect.signature(layer.forward).parameters)
     position = params.index(name)
@@ -150,10 +159,7 @@ class _Capture:
         layers = find_decoder_layers(model)
         self.num_layers = len(layers)
         self.hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
-        # the layer ids were resolved against config.json: the loaded model must be the one it describes
-        if (self.num_layers, self.hidden_size) != (setup.num_layers, setup.hidden_size):
-            raise CaptureError(f"the loaded model has {self.num_layers} decoder layers of width {self.hidden_size}, "
-                               f"config.json says {setup.num_layers} of width {setup.hidden_size}")
+        check_loaded_model(self.num_layers, self.hidden_size, setup)
         write_threads = setup.write_threads
         self.active = False
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step

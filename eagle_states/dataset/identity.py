@@ -44,3 +44,9 @@ def model_identity(model_dir: Path) -> dict:
         "tokenizer_sha256": hash_files(tokenizer_files),
     }
 
+
+
+def model_context(model_dir: Path) -> int | None:
+    """The positions the model was built for (config.json `max_position_embeddings`), if it says."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("text_config", config).get("max_position_embeddings")

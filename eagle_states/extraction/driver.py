@@ -20,7 +20,7 @@ from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSetti
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, sha256_file
-from eagle_states.dataset.identity import model_identity
+from eagle_states.dataset.identity import model_context, model_identity
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
 from eagle_states.dataset.prepared import InputSample, input_hash, load_input
@@ -88,6 +88,10 @@ class CaptureConfig:
     def __init__(self, params: PipelineParams):
         self.params = params
         self.model = model_identity(Path(params.model.path))
+        context = model_context(Path(params.model.path))
+        if context and params.extract.max_model_len > context:
+            raise ValueError(f"extract.max_model_len ({params.extract.max_model_len}) is beyond the model's context "
+                             f"({context} positions, config.json max_position_embeddings)")
         self.layers = LayerSelection.resolve(params.extract.layer_ids, self.model["num_layers"])
         self.dtype = resolved_dtype(Path(params.model.path), params.extract.dtype)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),

@@ -70,3 +70,25 @@ def test_only_the_capture_package_imports_vllm():
                        for path in (REPO / folder).rglob("*.py")
                        if re.search(r"^\s*(import vllm|from vllm)", path.read_text(), re.M))
     assert importing and all(path.startswith("eagle_states/capture/") for path in importing), importing
+
+
+def test_a_model_that_is_not_what_its_config_says_is_refused(tmp_path):
+    from eagle_states.capture.protocol import CaptureError, Setup
+    from eagle_states.capture.worker import check_loaded_model
+
+    setup = Setup(layer_ids=[2, 4], num_layers=8, hidden_size=256, write_threads=1)
+    check_loaded_model(8, 256, setup)
+    with pytest.raises(CaptureError, match="the loaded model has 7 decoder layers of width 256, config.json says 8"):
+        check_loaded_model(7, 256, setup)
+
+
+def test_max_model_len_beyond_the_models_context_is_refused(tmp_path):
+    import json
+
+    from eagle_states.extraction.driver import CaptureConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 8, "hidden_size": 256, "vocab_size": 500,
+                                                      "max_position_embeddings": 2048}))
+    params = PipelineParams().override({"model.path": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"max_model_len \(4096\) is beyond the model's context \(2048"):
+        CaptureConfig(params)
