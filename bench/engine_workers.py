@@ -5,6 +5,8 @@ one core (CPU build) or one GPU. Prints tokens/s of each, the ratio of two worke
 overhead per shard (what one worker adds over the in-process engine, per shard).
 
     python3 bench/engine_workers.py WORKDIR [--shards 16] [--shard-tokens 2048] [--hidden 512] [--layers 8]
+    python3 bench/engine_workers.py WORKDIR --model /dev/shm/m8b --dtype bfloat16 --shards 80 --shard-tokens 32768 \
+        --batch-tokens 16384 --gpu-memory-utilization 0.4 --max-workers 1          # one GPU
 """
 
 import argparse
@@ -18,7 +20,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import BIN, prefect_server, random_prompts, stop, write_prompt_jsonl  # noqa: E402
+from helpers import prefect_server, random_prompts, stop, write_prompt_jsonl  # noqa: E402
 
 from eagle_states.capture.engine import EngineHolder  # noqa: E402
 from eagle_states.config import PipelineParams  # noqa: E402
@@ -34,21 +36,27 @@ def main():
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", help="an existing model directory (default: a demo model of --hidden/--layers)")
+    parser.add_argument("--batch-tokens", type=int, help="max_num_batched_tokens (default: half a shard)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    parser.add_argument("--max-workers", type=int, default=2, help="1 on a one-GPU machine")
     parser.add_argument("--json")
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = make_demo_model(work / "model", num_layers=args.layers, hidden_size=args.hidden,
-                            num_heads=args.hidden // 64)
-    prompt_len = args.shard_tokens // 4
-    source = write_prompt_jsonl(work / "prompts.jsonl", random_prompts([prompt_len] * (4 * args.shards), 500, seed=3))
+    model = Path(args.model) if args.model else make_demo_model(
+        work / "model", num_layers=args.layers, hidden_size=args.hidden, num_heads=args.hidden // 64)
+    prompt_len = min(args.shard_tokens // 4, 2048)
+    per_shard = args.shard_tokens // prompt_len
+    source = write_prompt_jsonl(work / "prompts.jsonl",
+                                random_prompts([prompt_len] * (per_shard * args.shards), 500, seed=3))
     base = {"model": {"path": str(model), "build_demo_if_missing": False},
             "prepare": {"max_length": prompt_len},
             "extract": {"input": str(source), "dtype": args.dtype, "shard_max_tokens": args.shard_tokens,
-                        "max_num_batched_tokens": args.shard_tokens // 2, "max_model_len": prompt_len + 16,
-                        "gpu_memory_utilization": 0.15},
+                        "max_num_batched_tokens": args.batch_tokens or args.shard_tokens // 2,
+                        "max_model_len": prompt_len + 16, "gpu_memory_utilization": args.gpu_memory_utilization},
             "output": {"dir": str(work / "unused"), "prefect_results": str(work / "results")}}
-    tokens = 4 * args.shards * prompt_len
+    tokens = per_shard * args.shards * prompt_len
 
     def params(out: str) -> PipelineParams:
         return PipelineParams.model_validate({**base, "output": {**base["output"], "dir": str(work / out)}})
@@ -73,8 +81,9 @@ def main():
         def start(core: int):
             log = open(work / f"worker-{core}.log", "w")
             workers.append(subprocess.Popen(
-                [str(BIN / "eagle-states"), "engine-worker", "--params", str(work / "worker.yaml")],
-                env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(core), "CUDA_VISIBLE_DEVICES": str(core)},
+                [sys.executable, "-m", "eagle_states", "engine-worker", "--params", str(work / "worker.yaml")],
+                env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(core), "CUDA_VISIBLE_DEVICES": str(core),
+                     "PYTHONPATH": os.pathsep.join(sys.path)},
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             while len(serving_workers(key)) < len(workers):
                 time.sleep(1)
@@ -89,28 +98,33 @@ def main():
         try:
             start(0)
             timed("one_worker")
-            start(1)
-            timed("two_workers")
-            stop(workers.pop())
-            while len(serving_workers(key)) > 1:
-                time.sleep(0.5)
+            if args.max_workers > 1:
+                start(1)
+                timed("two_workers")
+                stop(workers.pop())
+                while len(serving_workers(key)) > 1:
+                    time.sleep(0.5)
             timed("one_worker_again")
         finally:
             for proc in workers:
                 stop(proc)
+    rounds = [name for name in ("in-process", "one_worker", "two_workers", "one_worker_again")
+              if name == "in-process" or f"{name}_s" in results]
     shas = {name: [s["sha256"] for s in json.loads((work / name / "manifest.json").read_text())["shards"]]
-            for name in ("in-process", "one_worker", "two_workers", "one_worker_again")}
+            for name in rounds}
     one = (results["one_worker_s"] + results["one_worker_again_s"]) / 2
     summary = {**results, "shards": args.shards, "tokens": tokens, "shard_tokens": args.shard_tokens,
                "in_process_tok_s": tokens / results["in_process_s"], "one_worker_tok_s": tokens / one,
-               "two_workers_tok_s": tokens / results["two_workers_s"], "two_over_one": one / results["two_workers_s"],
+               "one_worker_over_in_process": results["in_process_s"] / one,
                "dispatch_overhead_per_shard_s": (one - results["in_process_s"]) / args.shards,
                "identical_bytes": all(v == shas["in-process"] for v in shas.values())}
     print(f"in-process engine   {summary['in_process_tok_s']:,.0f} tokens/s ({results['in_process_s']:.1f} s)")
     print(f"one engine worker   {summary['one_worker_tok_s']:,.0f} tokens/s ({results['one_worker_s']:.1f} s, "
-          f"again {results['one_worker_again_s']:.1f} s)")
-    print(f"two engine workers  {summary['two_workers_tok_s']:,.0f} tokens/s ({results['two_workers_s']:.1f} s)")
-    print(f"two / one workers   {summary['two_over_one']:.2f} x")
+          f"again {results['one_worker_again_s']:.1f} s): {summary['one_worker_over_in_process']:.3f} x in-process")
+    if "two_workers_s" in results:
+        summary.update(two_workers_tok_s=tokens / results["two_workers_s"], two_over_one=one / results["two_workers_s"])
+        print(f"two engine workers  {summary['two_workers_tok_s']:,.0f} tokens/s ({results['two_workers_s']:.1f} s)")
+        print(f"two / one workers   {summary['two_over_one']:.2f} x")
     print(f"dispatch overhead   {summary['dispatch_overhead_per_shard_s']:.2f} s per shard (one worker against "
           f"the in-process engine, {args.shards} shards of {args.shard_tokens} tokens)")
     print(f"identical shards    {summary['identical_bytes']}")

@@ -106,8 +106,8 @@ def prefect_server(home: Path):
     env.pop("PREFECT_API_KEY", None)
     home.mkdir(parents=True, exist_ok=True)
     log = open(home / "server.log", "w")
-    proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
