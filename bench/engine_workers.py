@@ -1,7 +1,7 @@
 """Engine workers against the flow run's own engine, measured side by side in one run on one machine: the same
 prompts and shards computed (a) by an engine in this process, (b) by one engine worker fed through a real Prefect
 server, (c) by two workers, (d) by one worker again (a-b-c-d, so a drift of the machine shows). Each engine owns
-one core (CPU build) or one GPU. Prints tokens/s of each, the ratio of two workers to one, and the dispatch
+one core (CPU build) or one GPU. The in-process round includes writing the index and manifest (milliseconds). Prints tokens/s of each, the ratio of two workers to one, and the dispatch
 overhead per shard (what one worker adds over the in-process engine, per shard).
 
     python3 bench/engine_workers.py WORKDIR [--shards 16] [--shard-tokens 2048] [--hidden 512] [--layers 8]
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -25,7 +26,9 @@ from helpers import prefect_server, random_prompts, stop, write_prompt_jsonl  # 
 from eagle_states.capture.engine import EngineHolder  # noqa: E402
 from eagle_states.config import PipelineParams  # noqa: E402
 from eagle_states.demo import make_demo_model  # noqa: E402
-from eagle_states.extraction.driver import Extraction, run_extraction  # noqa: E402
+from eagle_states.bench import free_disk_blocks  # noqa: E402
+from eagle_states.dataset.layout import shard_path  # noqa: E402
+from eagle_states.extraction.driver import Extraction  # noqa: E402
 
 
 def main():
@@ -40,6 +43,8 @@ def main():
     parser.add_argument("--batch-tokens", type=int, help="max_num_batched_tokens (default: half a shard)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     parser.add_argument("--max-workers", type=int, default=2, help="1 on a one-GPU machine")
+    parser.add_argument("--free-written", action="store_true", help="free each shard's disk blocks once it is "
+                        "recorded (the file keeps its size), for rounds larger than the disk")
     parser.add_argument("--json")
     args = parser.parse_args()
     work = Path(args.work)
@@ -65,8 +70,14 @@ def main():
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     holder = EngineHolder()
     holder(Extraction(params("warm")).engine_settings())  # loaded before the clock starts
+    freeing = ThreadPoolExecutor(max_workers=1)
+
+    def free(out: Path, shard: str):
+        if args.free_written:
+            freeing.submit(free_disk_blocks, shard_path(out, shard))
+
     started = time.monotonic()
-    run_extraction(Extraction(params("in-process")), progress=False, engines=holder)
+    Extraction(params("in-process")).run(holder, lambda shard, cached: free(work / "in-process", shard.name))
     results["in_process_s"] = time.monotonic() - started
     holder.close()
 
@@ -91,9 +102,8 @@ def main():
         def timed(name: str) -> None:
             extraction = Extraction(params(name))
             started = time.monotonic()
-            dispatch(extraction, extraction.params)
+            dispatch(extraction, extraction.params, lambda outcome: free(work / name, outcome.shard))
             results[f"{name}_s"] = time.monotonic() - started
-            extraction.finalize()
 
         try:
             start(0)
@@ -110,8 +120,8 @@ def main():
                 stop(proc)
     rounds = [name for name in ("in-process", "one_worker", "two_workers", "one_worker_again")
               if name == "in-process" or f"{name}_s" in results]
-    shas = {name: [s["sha256"] for s in json.loads((work / name / "manifest.json").read_text())["shards"]]
-            for name in rounds}
+    shas = {name: [json.loads(p.read_text())["sha256"] for p in sorted((work / name / "receipts").glob("*.json"))]
+            for name in rounds}  # the receipts' hashes, taken as each shard was written (--free-written empties them)
     one = (results["one_worker_s"] + results["one_worker_again_s"]) / 2
     summary = {**results, "shards": args.shards, "tokens": tokens, "shard_tokens": args.shard_tokens,
                "in_process_tok_s": tokens / results["in_process_s"], "one_worker_tok_s": tokens / one,
