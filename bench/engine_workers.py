@@ -43,6 +43,7 @@ def main():
     parser.add_argument("--batch-tokens", type=int, help="max_num_batched_tokens (default: half a shard)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     parser.add_argument("--max-workers", type=int, default=2, help="1 on a one-GPU machine")
+    parser.add_argument("--worker-limit", type=int, default=2, help="shard tasks a worker runs at once (--limit)")
     parser.add_argument("--free-written", action="store_true", help="free each shard's disk blocks once it is "
                         "recorded (the file keeps its size), for rounds larger than the disk")
     parser.add_argument("--json")
@@ -92,7 +93,8 @@ def main():
         def start(core: int):
             log = open(work / f"worker-{core}.log", "w")
             workers.append(subprocess.Popen(
-                [sys.executable, "-m", "eagle_states", "engine-worker", "--params", str(work / "worker.yaml")],
+                [sys.executable, "-m", "eagle_states", "engine-worker", "--params", str(work / "worker.yaml"),
+                 "--limit", str(args.worker_limit)],
                 env={**env, "VLLM_CPU_OMP_THREADS_BIND": str(core), "CUDA_VISIBLE_DEVICES": str(core),
                      "PYTHONPATH": os.pathsep.join(sys.path)},
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -123,7 +125,7 @@ def main():
     shas = {name: [json.loads(p.read_text())["sha256"] for p in sorted((work / name / "receipts").glob("*.json"))]
             for name in rounds}  # the receipts' hashes, taken as each shard was written (--free-written empties them)
     one = (results["one_worker_s"] + results["one_worker_again_s"]) / 2
-    summary = {**results, "shards": args.shards, "tokens": tokens, "shard_tokens": args.shard_tokens,
+    summary = {**results, "worker_limit": args.worker_limit, "shards": args.shards, "tokens": tokens, "shard_tokens": args.shard_tokens,
                "in_process_tok_s": tokens / results["in_process_s"], "one_worker_tok_s": tokens / one,
                "one_worker_over_in_process": results["in_process_s"] / one,
                "dispatch_overhead_per_shard_s": (one - results["in_process_s"]) / args.shards,

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "eagle_states.capture.worker.CaptureWorkerExtension"
 SEED = 0  # vLLM's seed; prefill with one sampled token at temperature 0 does not use it
 END = object()  # what a job source returns when no job will follow (`CaptureEngine.serve`)
+WRITE_POLL_S = 0.01  # while an idle engine's last files are written: how often they are looked at
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,11 @@ class CaptureEngine:
         iterator = iter(jobs)
         return self.serve(lambda wait: next(iterator, END))
 
-    def serve(self, next_job: Callable[[bool], "ShardJob | None | object"]) -> Iterator[ShardResult]:
+    def serve(self, next_job: Callable[[float | None], "ShardJob | None | object"]) -> Iterator[ShardResult]:
         """Capture the shards `next_job` hands over until it returns END; yields each shard once its file is on
-        disk. `next_job(wait)` returns the next job, END, or (only when `wait` is False) None for "nothing yet":
-        the engine then finishes what it holds and asks again, waiting once it is idle.
+        disk. `next_job(wait)` returns the next job, END, or None for "nothing yet" once `wait` seconds have
+        passed (None: wait as long as it takes): the engine then finishes what it holds, reports the files as
+        their writes end, and takes a new shard the moment one is handed over (not after the writes).
 
         A step holds rows of one shard only, so a shard's batches depend on its own samples and its bytes do not
         depend on which shards ran beside it (resume, several engines, Prefect or DVC all give the same files).
@@ -156,14 +158,17 @@ class CaptureEngine:
         """
         in_flight: dict[str, InputSample] = {}  # request id -> its sample, until the engine finishes it
         try:
-            job = next_job(True)
+            job = next_job(None)
             while job is not END:
-                if job is None:  # nothing handed over yet: finish what is in the engine, then wait
+                if job is None:  # nothing handed over yet
                     if in_flight:
                         yield from self._step(in_flight, set())
+                        job = next_job(0)
+                    elif self._queued:  # files still being written
+                        yield from self._collect(wait=False)
+                        job = next_job(WRITE_POLL_S)
                     else:
-                        yield from self._collect(wait=True)
-                    job = next_job(not in_flight and not self._queued)
+                        job = next_job(None)
                     continue
                 if not job.samples:
                     raise ValueError(f"shard {job.name} has no samples")
@@ -183,7 +188,7 @@ class CaptureEngine:
                 while unlaunched:
                     yield from self._step(in_flight, unlaunched)
                 self._rpc(p.EndShard(path=str(job.path)))  # returns at once: the workers finish writing it
-                job = next_job(False)
+                job = next_job(0)
                 while job is not None and job is not END and in_flight and not first_step_fits_beside(
                         list(in_flight.values()), self._in_file_order(job), self.settings, self.kv_cache):
                     yield from self._step(in_flight, set())

@@ -39,9 +39,9 @@ class EngineService:
         self._jobs.put(job)
         return future.result()
 
-    def _next_job(self, wait: bool):
+    def _next_job(self, wait: float | None):
         try:
-            job = self._jobs.get(block=wait)
+            job = self._jobs.get(timeout=wait) if wait != 0 else self._jobs.get_nowait()
         except queue.Empty:
             return None
         return END if job is END else job
