@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--batch-tokens", type=int, help="max_num_batched_tokens (default: half a shard)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     parser.add_argument("--max-workers", type=int, default=2, help="1 on a one-GPU machine")
-    parser.add_argument("--worker-limit", type=int, default=2, help="shard tasks a worker runs at once (--limit)")
+    parser.add_argument("--worker-limit", type=int, default=3, help="shard tasks a worker runs at once (--limit)")
     parser.add_argument("--free-written", action="store_true", help="free each shard's disk blocks once it is "
                         "recorded (the file keeps its size), for rounds larger than the disk")
     parser.add_argument("--json")

@@ -203,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     layer_flags(p)
     p.add_argument("--gpus", help="the GPUs this engine uses, e.g. 0,1 (CPU build: cores, e.g. 0|1 or 0,1) "
                                   "(default: what CUDA_VISIBLE_DEVICES / VLLM_CPU_OMP_THREADS_BIND say)")
-    p.add_argument("--limit", type=int, default=2, help="shard tasks at once; two keep the next shard in the engine "
-                                                        "while the current one finishes (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=3, help="shard tasks at once: the engine always has the next shard "
+                        "while the current one finishes and a finished one reports back (three: bench/RESULTS.md) "
+                        "(default: %(default)s)")
     p.add_argument("--engine-factory", default="eagle_states.capture.engine:CaptureEngine",
                    help="module:callable that builds the engine from its settings (default: %(default)s)")
     p.set_defaults(func=cmd_engine_worker)

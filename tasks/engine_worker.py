@@ -118,9 +118,10 @@ def read_claim(path: Path) -> tuple[dict, float] | None:
 
 
 def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine] = CaptureEngine,
-          limit: int = 2) -> None:
+          limit: int = 3) -> None:
     """Load the engine, then take shard tasks from the Prefect server until stopped. `limit` shard tasks run at
-    once: with two, the next shard is already in the engine while the current one finishes."""
+    once: with three, the engine always holds the next shard while the current one finishes and a finished one
+    goes through Prefect's bookkeeping (two left the H200 idle for part of each shard: bench/RESULTS.md)."""
     from prefect.task_worker import TaskWorker
 
     worker = EngineWorker(params, engine_factory)
