@@ -21,7 +21,7 @@ from helpers import BIN, REPO, prefect_server, stop
 from tasks.shard_work import task_key
 
 DELAY_S = 8.0  # the slowed worker's extra seconds per shard
-SHARDS = 12
+SHARDS = 16
 EXTRACT = {"shard_max_tokens": 1024, "max_num_batched_tokens": 512, "max_model_len": 1024, "dtype": "float32",
            "gpu_memory_utilization": 0.15}
 READY = "capture engine ready"
