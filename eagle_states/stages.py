@@ -1,6 +1,6 @@
 """The pipeline's steps, one function each, from the typed parameters (`config.PipelineParams`) to a small typed
 result. The command line, the Prefect tasks and the DVC stages (through the command line) call these and
-nothing else. Nothing here imports Prefect, except data parallelism, which runs on Prefect's task workers."""
+nothing else. Nothing here imports Prefect, except the extraction on engine workers, which runs through it."""
 
 from __future__ import annotations
 
@@ -129,16 +129,13 @@ def _extract_outcome(params: PipelineParams, manifest: dict) -> ExtractOutcome:
 
 
 def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None) -> ExtractOutcome:
-    """Capture every unfinished shard and finalize the dataset: with one engine in this process, or with
-    `extract.data_parallel_size` engine workers started on this machine for it (fed through Prefect)."""
-    extraction = open_extraction(params)
-    if params.extract.data_parallel_size > 1:
-        from tasks.dispatch import dispatch
-        from tasks.local_workers import local_engine_workers
+    """Capture every unfinished shard and finalize the dataset: with one engine in this process, or on engine
+    workers fed through Prefect (`tasks.local_workers.uses_engine_workers` decides)."""
+    from tasks.local_workers import compute_on_workers, uses_engine_workers
 
-        if extraction.unfinished():
-            with local_engine_workers(params, extraction.serving_key, params.extract.data_parallel_size):
-                dispatch(extraction, params)
+    extraction = open_extraction(params)
+    if uses_engine_workers(params, extraction.serving_key):
+        compute_on_workers(extraction, params)
         return finalize(extraction)
     return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from contextlib import contextmanager
@@ -16,11 +15,10 @@ from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
-from tasks.dispatch import dispatch, serving_workers
 from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.prepare import prepare_task
-from tasks.local_workers import local_engine_workers
+from tasks.local_workers import compute_on_workers, uses_engine_workers
 from tasks.publish import publish_task
 from tasks.session import Session, extraction_session
 from tasks.shard_work import results_storage
@@ -60,12 +58,9 @@ def compute_shards(session: Session, params: PipelineParams) -> list[ShardOutcom
     """Every shard on disk: on engine workers when they serve this model and these settings (or on local ones
     started for the run, with `extract.data_parallel_size` > 1), else on the flow run's own engine."""
     extraction, logger = session.extraction, get_run_logger()
-    dp = params.extract.data_parallel_size
-    use_workers = dp > 1 or params.extract.engine == "workers" or (
-        params.extract.engine == "auto" and serving_workers(extraction.serving_key))
-    if not use_workers:
-        logger.info("no engine worker serves %s with these settings: the flow run loads the model itself",
-                    params.model.path)
+    if not uses_engine_workers(params, extraction.serving_key):
+        logger.info("the flow run computes the shards on its own engine (extract.engine: %s; no engine worker "
+                    "serves %s with these settings)", params.extract.engine, params.model.path)
         return run_shards(session, params.output.prefect_results)
     progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
     done = [ShardOutcome(s.name, r["sha256"], r["bytes"], len(r["samples"]),
@@ -75,10 +70,7 @@ def compute_shards(session: Session, params: PipelineParams) -> list[ShardOutcom
     def on_done(outcome: ShardOutcome):
         done.append(outcome)
         update_progress_artifact(progress, 100.0 * len(done) / len(extraction.shards))
-    workers = local_engine_workers(params, extraction.serving_key, dp) if dp > 1 and extraction.unfinished() \
-        else contextlib.nullcontext()
-    with workers:
-        dispatch(extraction, params, on_done)
+    compute_on_workers(extraction, params, on_done)
     update_progress_artifact(progress, 100.0)
     outcomes = sorted(done, key=lambda o: o.shard)
     computed = sum(o.computed for o in outcomes)
