@@ -60,9 +60,8 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
     def submit(name: str):
         return task.delay(request, name, extraction.cache_key(todo[name]))  # a PrefectDistributedFuture
 
-    # submitted from a few threads: one submission is several round trips to the server and its storage, and
-    # one at a time they came slower than two CPU engines computed (bench/engine_workers.py)
-    # (each in a copy of this thread's context, so that its task run belongs to the flow run)
+    # submitted from a few threads, so that the round trips of one submission (the server, the parameters' file)
+    # overlap the next ones; each in a copy of this thread's context, so that its task run belongs to the flow run
     contexts = [contextvars.copy_context() for _ in todo]
     with ThreadPoolExecutor(max_workers=SUBMIT_THREADS, thread_name_prefix="eagle-submit") as pool:
         pending = dict(zip(todo, pool.map(lambda ctx, name: ctx.run(submit, name), contexts, todo)))
