@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -107,9 +108,6 @@ def cmd_publish(args) -> int:
 
 
 def cmd_run(args) -> int:
-    import os
-
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # avoids a SQLite lock at server start
     params = _load(args, **{"output.dir": args.out})
     from flows.extract_hidden_states import extract_hidden_states
 
@@ -124,7 +122,6 @@ def cmd_run(args) -> int:
 
 def cmd_engine_worker(args) -> int:
     import importlib
-    import os
 
     if args.gpus:  # before vLLM starts: the devices (CPU build: the cores) this engine owns
         from eagle_states.capture.engine import running_on_cpu
@@ -286,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # for the temporary Prefect server that `run` and data-parallel `extract` start: analytics off avoids a
+    # SQLite lock at its start, and its start took over Prefect's 20 s on a loaded 2-core machine
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -146,6 +146,7 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600; a trainer's account must read the dataset
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
             out = (DirectFile.open(tmp) if direct else None) or StreamingFile(raw)
@@ -163,6 +164,15 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it (`os.umask` sets it, racing other threads' file creation)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    raise OSError("/proc/self/status has no Umask line (Linux 4.7 or later is needed)")
 
 
 def atomic_write_bytes(path: Path, data: bytes | memoryview, durable: bool = True) -> None:

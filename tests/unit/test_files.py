@@ -62,3 +62,15 @@ def test_a_failed_direct_write_leaves_nothing(tmp_path):
             f.write(os.urandom(DirectFile.CHUNK + 100))  # one buffer on its way to the disk
             raise RuntimeError("writer died")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_files_get_the_users_umask(tmp_path, umask, mode):
+    before = os.umask(umask)
+    try:
+        atomic_write_bytes(tmp_path / "a.bin", b"x" * 10)
+        with atomic_file(tmp_path / "b.bin", direct=True) as f:
+            f.write(b"y" * 5000)
+    finally:
+        os.umask(before)
+    assert [(tmp_path / name).stat().st_mode & 0o777 for name in ("a.bin", "b.bin")] == [mode, mode]
