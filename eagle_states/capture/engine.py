@@ -59,6 +59,7 @@ class ShardResult:
     sha256: str
     bytes: int
     num_tokens: dict[str, int]
+    path: Path  # the shard's file (names repeat across datasets)
 
 
 def ids_crc(input_ids: list[int]) -> int:
@@ -240,7 +241,7 @@ class CaptureEngine:
                     raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
                                        f"(tokens, ids crc) = {seen}, the prompt is {expected}")
             yield ShardResult(job.name, report.sha256, report.bytes,
-                              {s.sample_id: len(s.input_ids) for s in job.samples})
+                              {s.sample_id: len(s.input_ids) for s in job.samples}, job.path)
 
     def capture_stats(self) -> p.StatsReply:
         """The writer rank's counters (`protocol.StatsReply`; the gap before the first pass after each call is

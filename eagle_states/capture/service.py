@@ -21,22 +21,22 @@ class EngineService:
     def __init__(self, engine: CaptureEngine):
         self.engine = engine
         self._jobs: queue.Queue = queue.Queue()
-        self._waiting: dict[str, Future] = {}  # shard name -> its caller's future, until its file is on disk
+        self._waiting: dict[str, Future] = {}  # shard file -> its callers' future, until the file is on disk
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._drive, name="eagle-engine", daemon=True)
         self._thread.start()
 
     def compute(self, job: ShardJob) -> ShardResult:
-        """Hand a shard to the engine and wait until its file is on disk (raises what the engine raised)."""
-        future: Future = Future()
+        """Hand a shard to the engine and wait until its file is on disk (raises what the engine raised). A shard
+        already in this engine (a copy of its task, submitted again) waits for the same file."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine service is closed")
-            if job.name in self._waiting:
-                raise RuntimeError(f"shard {job.name} is already being computed on this engine")
-            self._waiting[job.name] = future
-        self._jobs.put(job)
+            future = self._waiting.get(str(job.path))
+            if future is None:
+                future = self._waiting[str(job.path)] = Future()
+                self._jobs.put(job)
         return future.result()
 
     def _next_job(self, wait: float | None):
@@ -52,7 +52,7 @@ class EngineService:
             try:
                 for result in self.engine.serve(self._next_job):
                     with self._lock:
-                        future = self._waiting.pop(result.name)
+                        future = self._waiting.pop(str(result.path))
                     future.set_result(result)
                 return  # END: closed
             except BaseException as error:  # the engine reset itself; its shards are lost, later ones are not
@@ -65,9 +65,9 @@ class EngineService:
                 for job in queued:
                     if job is END:
                         self._jobs.put(END)
-                    elif job.name in failed:  # never admitted: it gets its chance on the reset engine
+                    elif str(job.path) in failed:  # never admitted: it gets its chance on the reset engine
                         with self._lock:
-                            self._waiting[job.name] = failed.pop(job.name)
+                            self._waiting[str(job.path)] = failed.pop(str(job.path))
                         self._jobs.put(job)
                 for future in failed.values():
                     future.set_exception(error)
