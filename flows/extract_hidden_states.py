@@ -1,4 +1,5 @@
-"""The pipeline flow: prepare -> extract (one cached task per shard) -> validate -> export -> publish."""
+"""The pipeline flow: prepare -> extract (a task per shard, on the flow run's engine or on engine workers) ->
+validate -> export -> publish."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
 from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
-from tasks.prepare import prepare_task
 from tasks.local_workers import compute_on_workers, uses_engine_workers
+from tasks.prepare import prepare_task
 from tasks.publish import publish_task
 from tasks.session import Session, extraction_session
 from tasks.shard_work import results_storage
