@@ -34,15 +34,18 @@ class NoEngineWorker(RuntimeError):
     pass
 
 
-def serving_workers(serving_key: str) -> set[str]:
-    """Task workers the Prefect server lists for this engine kind (in ephemeral mode: the temporary server's)."""
+def serving_workers(serving_key: str, client=None) -> set[str]:
+    """Task workers the Prefect server lists for this engine kind (in ephemeral mode: the temporary server's);
+    `client`: an open sync client to ask through (else one is opened)."""
     from prefect.client.orchestration import get_client
 
-    with get_client(sync_client=True) as client:
-        response = client.request("POST", "/task_workers/filter",
-                                  json={"task_worker_filter": {"task_keys": [task_key(serving_key)]}})
-        response.raise_for_status()
-        return {worker["identifier"] for worker in response.json()}
+    if client is None:
+        with get_client(sync_client=True) as client:
+            return serving_workers(serving_key, client)
+    response = client.request("POST", "/task_workers/filter",
+                              json={"task_worker_filter": {"task_keys": [task_key(serving_key)]}})
+    response.raise_for_status()
+    return {worker["identifier"] for worker in response.json()}
 
 
 def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> list[ShardOutcome]:
@@ -85,8 +88,10 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
                         on_done(outcome)
                 elif run.state.is_failed() or run.state.is_crashed():
                     future.result()  # raises the shard's error (the worker already retried it)
-            alive = serving_workers(extraction.serving_key)
-            claims = {name: read_claim(claim_path(extraction.out, name)) for name in pending}
+            alive = serving_workers(extraction.serving_key, client)
+            # only a running shard task can hold a claim: the files of the few running ones are read, not all
+            claims = {name: read_claim(claim_path(extraction.out, name)) if (run := runs.get(future.task_run_id))
+                      and run.state and run.state.is_running() else None for name, future in pending.items()}
             absent = (seen | {c[0]["worker"] for c in claims.values() if c}) - alive
             gone, missing = absent & missing, absent  # absent twice in a row: gone
             seen = (seen | alive) - gone
