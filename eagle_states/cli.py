@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from eagle_states import stopping
 from eagle_states.config import ExtractParams, PipelineParams, load_params
 
 FORMATS = ["speculators", "speculators-legacy", "specforge"]
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stopping.install()  # Ctrl-C and SIGTERM stop within seconds, at any stage
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad input, settings or state: exit 2

@@ -12,13 +12,14 @@ from pathlib import Path
 from eagle_states import export as exporting
 from eagle_states import prepare as preparing
 from eagle_states import publish as publishing
+from eagle_states import stopping
 from eagle_states import validate as validating
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.config import PipelineParams
 from eagle_states.dataset.files import atomic_write_json, hash_files, hash_json, sha256_file
 from eagle_states.dataset.identity import model_identity
 from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE
-from eagle_states.extraction.driver import Extraction, run_extraction
+from eagle_states.extraction.driver import Extraction, kept_shards_line, run_extraction
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +135,12 @@ def extract(params: PipelineParams, progress: bool = False, engines: EngineHolde
     from tasks.local_workers import compute_on_workers, uses_engine_workers
 
     extraction = open_extraction(params)
-    if uses_engine_workers(params, extraction.serving_key):
-        compute_on_workers(extraction, params)
-        return finalize(extraction)
-    return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
+    with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir) + " Run the same command again to "
+                          "resume: finished shards are not computed again."):
+        if uses_engine_workers(params, extraction.serving_key):
+            compute_on_workers(extraction, params)
+            return finalize(extraction)
+        return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
 
 
 # -- validate ----------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ validate -> export -> publish."""
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -12,6 +13,7 @@ from typing import Callable
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from eagle_states import stopping
 from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
 from eagle_states.extraction.stream import ShardOutcome
@@ -35,13 +37,18 @@ def extract_hidden_states(params: PipelineParams | None = None, params_file: str
 def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]) -> dict:
     """The flow's body, with the engine factory its shard tasks use (a flow parameter cannot carry one)."""
     forward_library_logs()
+    stopping.install()  # again: Prefect's flow engine has put its own SIGTERM handler in place
     stages: dict[str, float] = {}
-    with timed(stages, "prepare"):
-        prepare_task(params)
-    with timed(stages, "extract"), extraction_session(params, engine_factory) as session:
-        outcomes = compute_shards(session, params)
-        extracted = finalize_dataset_task(session.key)
-        lengths = [len(s.input_ids) for s in session.extraction.samples]
+    with stopping.on_stop(callback=report_stopped, describe=lambda: resume_hint(params)):
+        with timed(stages, "prepare"):
+            prepare_task(params)
+        with timed(stages, "extract"), extraction_session(params, engine_factory) as session:
+            outcomes = compute_shards(session, params)
+            extracted = finalize_dataset_task(session.key)
+            lengths = [len(s.input_ids) for s in session.extraction.samples]
+        if session.slot_wait_s:  # waiting for another run's GPU is not extraction time
+            stages["gpu_slot_wait"] = sum(session.slot_wait_s)
+            stages["extract"] -= stages["gpu_slot_wait"]
     with timed(stages, "validate"):
         summary = validate_task(params)
     exports = [export_task(params, fmt) for fmt in params.export.formats]
@@ -101,6 +108,30 @@ def run_shards(session: Session, results_dir: str) -> list[ShardOutcome]:
     computed = sum(o.computed for o in outcomes)
     get_run_logger().info("%d shards: %d cache hits, %d computed", len(names), len(names) - computed, computed)
     return outcomes
+
+
+def report_stopped(signum: int) -> None:
+    """On a stop by signal (`eagle_states.stopping`): the flow run ends Cancelled when the runner was cancelling it
+    (a cancel from the UI is a SIGTERM), Crashed otherwise."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.states import Cancelled, Crashed
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    name = signal.Signals(signum).name
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(context.flow_run.id).state
+        state = Cancelled(message=f"cancelled ({name})") if current and current.name == "Cancelling" else \
+            Crashed(message=f"stopped by {name}")
+        client.set_flow_run_state(context.flow_run.id, state, force=True)
+
+
+def resume_hint(params: PipelineParams) -> str:
+    from eagle_states.extraction.driver import kept_shards_line
+
+    return kept_shards_line(params.output.dir) + " Run it again to resume: finished shards are not computed again."
 
 
 @contextmanager

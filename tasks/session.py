@@ -2,13 +2,15 @@
 engine holder (tasks receive the session key, a string, so that nothing large passes through Prefect).
 
 The engine is created by the first task that needs it, with the factory the flow was given, held under the
-`gpu-engine` global concurrency limit (one run per GPU at a time), and closed when the flow run leaves the
-session.
+`gpu-engine` global concurrency limit when the server has one (one run per GPU at a time), and closed when the
+flow run leaves the session.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,6 +22,10 @@ from eagle_states.extraction.driver import Extraction
 from eagle_states.extraction.stream import ShardStream
 
 GPU_CONCURRENCY_LIMIT = "gpu-engine"
+# The slot's lease: renewed in the background while the run lives, so a crashed run's slot frees within this.
+GPU_SLOT_LEASE_S = 60.0
+WAIT_NOTICE_S = 2.0  # a slot not had within this is waited for with a log line that says why
+log = logging.getLogger("eagle_states.session")
 _SESSIONS: dict[str, "Session"] = {}  # the flow run's sessions, by key: how its in-process tasks find them
 
 
@@ -30,6 +36,7 @@ class Session:
     engines: RestartingEngines
     stream: ShardStream
     guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    slot_wait_s: list[float] = field(default_factory=list)  # time spent waiting for the `gpu-engine` slot
 
     @property
     def shard_names(self) -> list[str]:
@@ -42,21 +49,54 @@ class Session:
         return self.extraction.receipt(self.extraction.planned(shard_name)) is not None
 
 
-def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextlib.ExitStack):
-    def create(settings: EngineSettings) -> CaptureEngine:
-        from prefect.concurrency.sync import concurrency
+def gpu_slot_limit_exists() -> bool:
+    """Whether the server has the `gpu-engine` limit: a user creates it to keep runs off each other's GPUs
+    (README); without it nothing is acquired (and Prefect is not asked, which would warn on every run)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
 
-        guard.enter_context(concurrency(GPU_CONCURRENCY_LIMIT, occupy=1, strict=False))
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_CONCURRENCY_LIMIT)
+        except ObjectNotFound:
+            return False
+    return True
+
+
+def hold_gpu_slot(guard: contextlib.ExitStack) -> float:
+    """Take a `gpu-engine` slot for the rest of `guard`, if the limit exists; returns the seconds waited. A slot
+    not free at once is waited for with a log line saying why; its lease (GPU_SLOT_LEASE_S) is renewed while this
+    process lives, so a crashed run's slot frees within that time."""
+    from prefect.concurrency.sync import concurrency
+
+    if not gpu_slot_limit_exists():
+        return 0.0
+    started = time.monotonic()
+    try:
+        guard.enter_context(concurrency(GPU_CONCURRENCY_LIMIT, occupy=1, timeout_seconds=WAIT_NOTICE_S,
+                                        lease_duration=GPU_SLOT_LEASE_S))
+    except TimeoutError:
+        log.warning("waiting for a free '%s' slot: another run holds it (a crashed run's slot frees within %.0f s; "
+                    "README: \"The GPU slot\")", GPU_CONCURRENCY_LIMIT, GPU_SLOT_LEASE_S)
+        guard.enter_context(concurrency(GPU_CONCURRENCY_LIMIT, occupy=1, lease_duration=GPU_SLOT_LEASE_S))
+        log.warning("got the '%s' slot after %.1f s", GPU_CONCURRENCY_LIMIT, time.monotonic() - started)
+    return time.monotonic() - started
+
+
+def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextlib.ExitStack,
+             waits: list[float]):
+    def create(settings: EngineSettings) -> CaptureEngine:
+        waits.append(hold_gpu_slot(guard))
         return factory(settings)
     return create
 
 
 @contextlib.contextmanager
 def extraction_session(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]):
-    guard = contextlib.ExitStack()
+    guard, waits = contextlib.ExitStack(), []
     extraction = stages.open_extraction(params)
-    engines = RestartingEngines(_guarded(engine_factory, guard))
-    session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines), guard)
+    engines = RestartingEngines(_guarded(engine_factory, guard, waits))
+    session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines), guard, waits)
     _SESSIONS[session.key] = session
     try:
         yield session

@@ -16,6 +16,8 @@ from typing import Iterator
 
 import numpy as np
 
+from eagle_states import stopping
+
 
 def _libc_sync_file_range():
     """Linux's sync_file_range, or None where there is none (the final fsync alone then does the writing)."""
@@ -142,10 +144,12 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
     `direct`, where the filesystem takes O_DIRECT); on success it is fsynced and renamed to `path`, on failure
     removed: a crash never leaves a partial file under the final name. `durable=False` skips the fsync, for
     small files that a caller makes durable later with `fsync_path` (an fsync waits for the filesystem journal,
-    which can wait for gigabytes of other files' writes in flight)."""
+    which can wait for gigabytes of other files' writes in flight). Once a stop on a signal has begun
+(`stopping`), no file is renamed into place any more."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    stopping.track_temp(tmp)  # removed by a stop on a signal
     os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600; a trainer's account must read the dataset
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
@@ -159,11 +163,14 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
                     out.close()
             if durable:
                 os.fsync(raw.fileno())
-        os.replace(tmp, path)
+        with stopping.committing():
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        stopping.untrack_temp(tmp)
 
 
 def current_umask() -> int:

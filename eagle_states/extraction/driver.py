@@ -233,6 +233,13 @@ class Extraction(CaptureConfig):
         return manifest
 
 
+def kept_shards_line(out: str | Path) -> str:
+    """What a stopped run leaves: the shards with a receipt (each one complete and checked on the next run)."""
+    receipts = Path(out) / layout.RECEIPTS_DIR
+    kept = len([p for p in receipts.glob("*.json") if not p.name.startswith(".")]) if receipts.is_dir() else 0
+    return f"{kept} finished shard{'s' if kept != 1 else ''} kept in {out}."
+
+
 def run_extraction(extraction: Extraction, progress: bool = True, engines: EngineHolder | None = None) -> dict:
     """The extract step in this process: resumes, shows a progress bar, returns the manifest. Pass `engines` to
     keep a loaded model for later calls; otherwise one is loaded (if any shard is unfinished) and closed here."""

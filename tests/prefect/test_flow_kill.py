@@ -1,4 +1,5 @@
-"""A flow run killed mid-extraction (SIGKILL, a real process) loses only its unfinished shards."""
+"""A flow run killed mid-extraction (SIGKILL, a real process) loses only its unfinished shards; one stopped by
+SIGINT or SIGTERM stops within seconds and writes nothing after the signal."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from helpers import REPO
@@ -44,3 +46,67 @@ def test_killed_run_resumes_from_finished_shards(tmp_path, llama_model):
     validate = subprocess.run([EAGLE_STATES, "validate", "work/dataset", "--prepared", "work/prepared"],
                               cwd=tmp_path, env=env, capture_output=True, text=True)
     assert validate.returncode == 0, validate.stderr[-2000:]
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("command, signum, to_group", [
+    ("run", signal.SIGINT, True),     # Ctrl-C in a terminal: the whole foreground process group gets it
+    ("run", signal.SIGTERM, False),   # `kill PID`: only the main process; its children (the server) are its job
+    ("extract", signal.SIGINT, True),
+])
+def test_signal_stops_within_seconds_and_writes_nothing_after_it(tmp_path, llama_model, command, signum, to_group):
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["model"] = {"path": str(llama_model), "build_demo_if_missing": False}
+    params["extract"].update(shard_max_tokens=1536, max_model_len=2049, max_num_batched_tokens=256)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    if command == "extract":
+        prepared = subprocess.run([EAGLE_STATES, "prepare"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert prepared.returncode == 0, prepared.stderr[-2000:]
+    dataset = tmp_path / "work" / "dataset"
+    receipts = dataset / "receipts"
+
+    proc = subprocess.Popen([EAGLE_STATES, command], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(receipts.glob("*.json")) and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run was still extracting"
+    before = _snapshot(dataset)
+    signalled = time.monotonic()
+    (os.killpg if to_group else os.kill)(proc.pid, signum)
+    _, stderr = proc.communicate(timeout=60)
+    seconds = time.monotonic() - signalled
+    print(f"{command} stopped by {signal.Signals(signum).name} in {seconds:.2f} s")
+    after = _snapshot(dataset)
+
+    assert proc.returncode == 128 + signum, stderr[-3000:]
+    assert seconds < 10, f"took {seconds:.1f} s to stop"
+    assert not _group_alive(proc.pid), "no engine, worker or server process outlives the run"
+    temporary = {name for name in before if Path(name).name.startswith(".") and name.endswith(".tmp")}
+    assert not [name for name in after if name.endswith(".tmp")], "temporary files are removed"
+    assert {k: v for k, v in before.items() if k not in temporary} == after, "nothing written after the signal"
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {signal.Signals(signum).name}.") and "kept in" in last, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+    if command == "run" and signum == signal.SIGINT:  # what was kept is used: the rerun resumes and is valid
+        kept = len(list(receipts.glob("*.json")))
+        rerun = subprocess.run([EAGLE_STATES, "run"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=600)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+        assert summary["valid"] and summary["cache_hits"] == kept
