@@ -26,6 +26,8 @@ def _load(args, **overrides) -> PipelineParams:
         shared["model.path"], shared["model.build_demo_if_missing"] = args.model, False
     if getattr(args, "data", None):
         shared["data.path"], shared["data.build_demo_if_missing"] = args.data, False
+    if getattr(args, "overwrite", False):
+        shared["output.overwrite"] = True
     for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype")):
         shared[key] = getattr(args, flag, None)
     return load_params(args.params, {**shared, **overrides})
@@ -109,10 +111,15 @@ def cmd_publish(args) -> int:
 
 
 def cmd_run(args) -> int:
-    params = _load(args, **{"output.dir": args.out})
-    from flows.extract_hidden_states import extract_hidden_states
+    from eagle_states import stages
+    from eagle_states.dataset.output_lock import output_lock
 
-    result = extract_hidden_states(params=params)
+    params = _load(args, **{"output.dir": args.out})
+    stages.ensure_inputs(params)  # before the Prefect server starts: a wrong path fails in a second
+    with output_lock(Path(params.output.dir)):  # a second run on this output is refused before it starts anything
+        from flows.extract_hidden_states import extract_hidden_states
+
+        result = extract_hidden_states(params=params)
     print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
                       "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
                       "cache_hits": result["cache_hits"], "computed": result["computed"],
@@ -171,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                                            "(default: extract.layer_ids)")
         p.add_argument("--dtype", choices=DTYPES, help="default: extract.dtype")
 
+    def overwrite_flag(p):
+        p.add_argument("--overwrite", action="store_true", help="replace a finished dataset in the output directory "
+                       "made with other settings or inputs (default: output.overwrite)")
+
     def progress_flag(p):
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -192,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_flag(p)
     p.add_argument("--out", help="dataset directory (default: output.dir)")
     layer_flags(p)
+    overwrite_flag(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("engine-worker", help="load the model once and compute shards that Prefect flow runs submit, "
@@ -230,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(default: extract.input, else prepare.out)")
     p.add_argument("--out", help="dataset directory (default: output.dir)")
     layer_flags(p)
+    overwrite_flag(p)
     progress_flag(p)
     p.set_defaults(func=cmd_extract)
 
@@ -290,12 +303,44 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # a failure ends with one line saying what is wrong, not Prefect's tracebacks before it
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(WithoutTracebacks(handler.formatter))
     stopping.install()  # Ctrl-C and SIGTERM stop within seconds, at any stage
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # bad input, settings or state: exit 2
-        print(f"eagle-states {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as exc:  # bad input, settings, files or state: exit 2, one line
+        print(f"eagle-states {args.command}: error: {error_line(exc)}", file=sys.stderr)
         return 2
+
+
+class WithoutTracebacks(logging.Formatter):
+    """Formats a record without its traceback (on the terminal; the Prefect API's copy of the record keeps it)."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def error_line(exc: BaseException) -> str:
+    """One line that names the problem: pydantic's report as `field: reason`, a file system error as
+    `reason: path`, anything else as its message."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ class PublishParams(_Section):
 class OutputParams(_Section):
     dir: str = "work/dataset"
     prefect_results: str = Field("work/.prefect-results", description="where Prefect keeps shard results (small)")
+    overwrite: bool = Field(False, description="replace a finished dataset made with other settings or inputs")
 
 
 class PipelineParams(_Section):
@@ -119,6 +120,10 @@ class PipelineParams(_Section):
             raise ValueError(f"extract.shard_max_tokens ({e.shard_max_tokens}) must be a multiple of "
                              f"extract.max_num_batched_tokens ({e.max_num_batched_tokens}): a shard's last step is "
                              "otherwise part-filled")
+        if self.prepare.min_loss_tokens < self.validate_.min_loss_tokens:
+            raise ValueError(f"prepare.min_loss_tokens ({self.prepare.min_loss_tokens}) is below "
+                             f"validate.min_loss_tokens ({self.validate_.min_loss_tokens}): samples that preparation "
+                             "keeps would fail validation after the GPU work")
         if self.prepare.max_length > e.max_model_len - 1:
             raise ValueError(f"prepare.max_length ({self.prepare.max_length}) must be below extract.max_model_len "
                              f"({e.max_model_len}): the engine takes at most max_model_len - 1 prompt tokens")

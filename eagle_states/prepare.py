@@ -24,7 +24,8 @@ from typing import Iterator
 from eagle_states.config import PrepareParams
 from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle_states.dataset.identity import model_identity
-from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE, SKIPPED_FILE, TOKEN_FREQ_FILE, write_samples
+from eagle_states.dataset.prepared import (REPORT_FILE, SAMPLES_FILE, SKIPPED_FILE, TOKEN_FREQ_FILE, InputError,
+                                         write_samples)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 MESSAGE_ROLES = {"user", "assistant", "system"}
 
 
-class NotAConversationDataset(ValueError):
+class NotAConversationDataset(InputError):
     pass
 
 

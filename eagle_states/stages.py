@@ -17,7 +17,9 @@ from eagle_states import validate as validating
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.config import PipelineParams
 from eagle_states.dataset.files import atomic_write_json, hash_files, hash_json, sha256_file
-from eagle_states.dataset.identity import model_identity
+from eagle_states.dataset.identity import ModelError, check_weight_files, model_identity, read_model_config
+from eagle_states.dataset.layout import LayerSelection
+from eagle_states.dataset.output_lock import output_lock
 from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE
 from eagle_states.extraction.driver import Extraction, kept_shards_line, run_extraction
 
@@ -25,18 +27,33 @@ log = logging.getLogger(__name__)
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
-def ensure_inputs(params: PipelineParams) -> None:
-    """Build the built-in demo model and conversations where the parameters ask for them and they are missing."""
+def ensure_inputs(params: PipelineParams, data: bool = True) -> None:
+    """Build the built-in demo model and conversations where the parameters ask for them and they are missing;
+    then check what needs no engine (`check_inputs`)."""
     from eagle_states.demo import make_demo_model, write_demo_conversations
 
-    if not (Path(params.model.path) / "config.json").exists():
-        if not params.model.build_demo_if_missing:
-            raise FileNotFoundError(f"model directory {params.model.path} has no config.json")
+    if params.model.build_demo_if_missing and not (Path(params.model.path) / "config.json").exists():
         make_demo_model(Path(params.model.path))
-    if not Path(params.data.path).exists():
-        if not params.data.build_demo_if_missing:
-            raise FileNotFoundError(f"data file {params.data.path} does not exist")
+    if data and params.data.build_demo_if_missing and not Path(params.data.path).exists():
         write_demo_conversations(Path(params.data.path))
+    check_inputs(params, data)
+
+
+def check_inputs(params: PipelineParams, data: bool = True) -> None:
+    """Every check that needs no engine and no server, so that a wrong path or setting fails in a second, not
+    after a model load: the model directory (config, weight files as long as their headers say, a tokenizer),
+    the layer ids against the model, the conversations file (`data`) or the extraction input."""
+    model_dir = Path(params.model.path)
+    config = read_model_config(model_dir)
+    check_weight_files(model_dir)
+    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model)")
+    LayerSelection.resolve(params.extract.layer_ids, int(config.get("text_config", config)["num_hidden_layers"]))
+    path, what = (params.data.path, "conversations file") if data else (params.extract_input, "extraction input")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    if data and Path(path).is_dir():
+        raise IsADirectoryError(f"{what} {path} is a directory; give a JSON or JSONL file")
 
 
 @dataclass
@@ -116,8 +133,11 @@ class ExtractOutcome:
 
 
 def open_extraction(params: PipelineParams) -> Extraction:
-    """The extraction's plan: the input read and checked, shards planned, nothing loaded."""
-    return Extraction(params)
+    """The extraction's plan: the inputs checked, shards planned, room on the disk checked, nothing loaded."""
+    check_inputs(params, data=False)
+    extraction = Extraction(params)
+    extraction.check_free_space()
+    return extraction
 
 
 def finalize(extraction: Extraction) -> ExtractOutcome:
@@ -131,16 +151,21 @@ def _extract_outcome(params: PipelineParams, manifest: dict) -> ExtractOutcome:
 
 def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None) -> ExtractOutcome:
     """Capture every unfinished shard and finalize the dataset: with one engine in this process, or on engine
-    workers fed through Prefect (`tasks.local_workers.uses_engine_workers` decides)."""
+    workers fed through Prefect (`tasks.local_workers.uses_engine_workers` decides). Holds the output's lock."""
+    with output_lock(Path(params.output.dir)):
+        extraction = open_extraction(params)
+        with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir) + " Run the same command again "
+                              "to resume: finished shards are not computed again."):
+            return _extract(params, extraction, progress, engines)
+
+
+def _extract(params: PipelineParams, extraction: Extraction, progress: bool, engines: EngineHolder | None):
     from tasks.local_workers import compute_on_workers, uses_engine_workers
 
-    extraction = open_extraction(params)
-    with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir) + " Run the same command again to "
-                          "resume: finished shards are not computed again."):
-        if uses_engine_workers(params, extraction.serving_key):
-            compute_on_workers(extraction, params)
-            return finalize(extraction)
-        return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
+    if uses_engine_workers(params, extraction.serving_key):
+        compute_on_workers(extraction, params)
+        return finalize(extraction)
+    return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
 
 
 # -- validate ----------------------------------------------------------------------------------------------------
@@ -148,9 +173,10 @@ def validate(params: PipelineParams) -> validating.ValidationResult:
     """Validate `output.dir` from its files; against the prepared input too when the extraction input is a
     prepared directory (every prepared sample present, none extra). Writes `validate.report`."""
     prepared = Path(params.extract_input)
-    return validating.validate_dataset(Path(params.output.dir), prepared if prepared.is_dir() else None,
-                                       min_loss_tokens=params.validate_.min_loss_tokens,
-                                       report=Path(params.validate_.report))
+    with output_lock(Path(params.output.dir)):  # not while a run writes it
+        return validating.validate_dataset(Path(params.output.dir), prepared if prepared.is_dir() else None,
+                                           min_loss_tokens=params.validate_.min_loss_tokens,
+                                           report=Path(params.validate_.report))
 
 
 # -- export ------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Callable
 
 from prefect import flow, get_run_logger
@@ -16,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle_states import stopping
 from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
+from eagle_states.dataset.output_lock import output_lock
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
 from tasks.export import export_task
@@ -39,7 +41,8 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     forward_library_logs()
     stopping.install()  # again: Prefect's flow engine has put its own SIGTERM handler in place
     stages: dict[str, float] = {}
-    with stopping.on_stop(callback=report_stopped, describe=lambda: resume_hint(params)):
+    with output_lock(Path(params.output.dir)), \
+            stopping.on_stop(callback=report_stopped, describe=lambda: resume_hint(params)):
         with timed(stages, "prepare"):
             prepare_task(params)
         with timed(stages, "extract"), extraction_session(params, engine_factory) as session:
@@ -49,10 +52,10 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
         if session.slot_wait_s:  # waiting for another run's GPU is not extraction time
             stages["gpu_slot_wait"] = sum(session.slot_wait_s)
             stages["extract"] -= stages["gpu_slot_wait"]
-    with timed(stages, "validate"):
-        summary = validate_task(params)
-    exports = [export_task(params, fmt) for fmt in params.export.formats]
-    published = publish_task(params) if params.publish.enabled else None
+        with timed(stages, "validate"):
+            summary = validate_task(params)
+        exports = [export_task(params, fmt) for fmt in params.export.formats]
+        published = publish_task(params) if params.publish.enabled else None
     report = render_markdown(dataset=params.output.dir, manifest=asdict(extracted), validation=summary,
                              outcomes=outcomes, stage_seconds=stages, lengths=lengths)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")

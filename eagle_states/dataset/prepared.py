@@ -66,7 +66,7 @@ def read_sample_ids(prepared_dir: Path) -> list[str]:
     return list(pd.read_parquet(Path(prepared_dir) / SAMPLES_FILE, columns=["sample_id"])["sample_id"])
 
 
-def check_row(row: dict, where: str, vocab_size: int, max_tokens: int) -> InputSample:
+def check_row(row: dict, where: str, vocab_size: int, max_tokens: int, min_loss_tokens: int = 0) -> InputSample:
     if not isinstance(row, dict):
         raise InputError(f"{where}: expected an object with id, input_ids, loss_mask")
     if "id" not in row and "sample_id" not in row:
@@ -89,6 +89,9 @@ def check_row(row: dict, where: str, vocab_size: int, max_tokens: int) -> InputS
     if (not isinstance(mask, list) or len(mask) != len(ids) or not set(map(type, mask)) <= {int}
             or not set(mask) <= {0, 1}):
         raise InputError(f"{where} (id {sample_id}): 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})")
+    if sum(mask) < min_loss_tokens:
+        raise InputError(f"{where} (id {sample_id}): {sum(mask)} loss tokens; validation needs at least "
+                         f"{min_loss_tokens} (validate.min_loss_tokens)")
     return InputSample(sample_id, ids, mask, int(row.get("source_row", 0)))
 
 
@@ -108,16 +111,19 @@ def _rows(path: Path) -> tuple[Iterator[dict], str]:
         for n, line in enumerate(lines, start=1):
             if line.strip():
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"{path} line {n}: not UTF-8 text (byte {exc.start}: {exc.reason}); expected "
+                                     "JSON lines of {id, input_ids, loss_mask}") from None
                 except json.JSONDecodeError as exc:
                     raise InputError(f"{path} line {n}: not JSON ({exc.msg})") from None
                 if isinstance(row, dict):
                     row.setdefault("source_row", n)
                 yield row
-    return parse(path.open(encoding="utf-8")), f"{path} line"
+    return parse(path.open("rb")), f"{path} line"
 
 
-def load_input(path: Path, vocab_size: int, max_tokens: int) -> list[InputSample]:
+def load_input(path: Path, vocab_size: int, max_tokens: int, min_loss_tokens: int = 0) -> list[InputSample]:
     """Every row of the extraction input, checked. Any bad row stops the run with an error naming the row:
     extraction input is meant to be prepared already, and silently dropping a row would make the dataset
     disagree with its input."""
@@ -126,7 +132,7 @@ def load_input(path: Path, vocab_size: int, max_tokens: int) -> list[InputSample
     samples, seen = [], {}
     for n, row in enumerate(rows, start=1):
         label = f"{where} {row.get('source_row', n) if isinstance(row, dict) else n}"
-        sample = check_row(row, label, vocab_size, max_tokens)
+        sample = check_row(row, label, vocab_size, max_tokens, min_loss_tokens)
         if sample.sample_id in seen:
             raise InputError(f"{label}: sample id {sample.sample_id} already used by row {seen[sample.sample_id]}")
         seen[sample.sample_id] = sample.source_row

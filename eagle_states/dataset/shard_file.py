@@ -21,6 +21,13 @@ from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, key_hidden_
 DTYPES = {torch.float32: ("F32", "float32"), torch.bfloat16: ("BF16", "bfloat16"), torch.float16: ("F16", "float16"),
           torch.int32: ("I32", "int32"), torch.int64: ("I64", "int64"), torch.uint8: ("U8", "uint8")}
 CODE_OF_NAME = {name: code for code, name in DTYPES.values()}  # "bfloat16" -> "BF16"
+DTYPE_OF_NAME = {name: dtype for dtype, (_, name) in DTYPES.items()}  # "bfloat16" -> torch.bfloat16
+
+
+def shard_data_bytes(token_counts: list[int], num_slots: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The bytes a shard of samples with these token counts holds, its header aside (a few KiB)."""
+    return sum(math.prod(shape) * dt.itemsize for n in token_counts
+               for dt, shape in sample_tensor_specs("x", n, num_slots, hidden_size, dtype).values())
 
 
 def sample_tensor_specs(sample_id: str, num_tokens: int, num_slots: int, hidden_size: int,

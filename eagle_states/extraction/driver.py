@@ -6,6 +6,7 @@ recorded sha256; only unfinished shards reach the engine, and the engine is crea
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import shutil
@@ -20,10 +21,11 @@ from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSetti
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, sha256_file
-from eagle_states.dataset.identity import model_context, model_identity
+from eagle_states.dataset.identity import model_context, model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
 from eagle_states.dataset.prepared import InputSample, input_hash, load_input
+from eagle_states.dataset.shard_file import DTYPE_OF_NAME, shard_data_bytes
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -58,6 +60,19 @@ class PlannedShard:
     content_hash: str
 
 
+class NoRoomError(OSError):
+    """The output's disk does not have room for the unfinished shards."""
+
+
+class DatasetExists(ValueError):
+    """The output directory holds a finished dataset that this extraction would replace."""
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def plan_shards(samples: list[InputSample], shard_max_tokens: int) -> list[PlannedShard]:
     """Consecutive samples packed up to `shard_max_tokens` tokens (a longer sample gets a shard of its own)."""
     groups: list[list[InputSample]] = [[]]
@@ -74,7 +89,7 @@ def plan_shards(samples: list[InputSample], shard_max_tokens: int) -> list[Plann
 def resolved_dtype(model_dir: Path, dtype: str) -> str:
     if dtype != "auto":
         return dtype
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_model_config(model_dir)
     config = config.get("text_config", config)
     found = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     return "float32" if found == "float32" else found
@@ -119,9 +134,31 @@ class Extraction(CaptureConfig):
         super().__init__(params)
         self.out = Path(params.output.dir)
         self.samples = load_input(Path(params.extract_input), self.model["vocab_size"],
-                                  params.extract.max_model_len - 1)
+                                  params.extract.max_model_len - 1, params.validate_.min_loss_tokens)
         self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
         self._intact: dict[str, dict] = {}  # shard name -> receipt, verified or written by this object
+        if not params.output.overwrite:
+            self.refuse_replacing_another_dataset()
+
+    def refuse_replacing_another_dataset(self) -> None:
+        """A finished dataset in `out` made from other inputs or with other settings is not replaced unless asked
+        (`output.overwrite`); one that differs only in the capture code's version is (its shards are recomputed)."""
+        path = self.out / layout.MANIFEST_FILE
+        if not path.exists():
+            return
+        try:
+            manifest = json.loads(path.read_text())
+        except ValueError:
+            return  # not a finished dataset: validation would reject it
+        ours = {"model": {k: v for k, v in self.model.items() if k != "path"}, "layer_ids": list(self.layers.layer_ids),
+                "dtype": self.dtype, "engine": self.byte_settings, "input_sha256": input_hash(self.samples)}
+        theirs = {"model": {k: v for k, v in manifest.get("model", {}).items() if k != "path"},
+                  **{key: manifest.get(key) for key in ours if key != "model"}}
+        differ = [key for key in ours if ours[key] != theirs[key]]
+        if differ:
+            detail = "; ".join(f"{key}: {_short(theirs[key])} there, {_short(ours[key])} now" for key in differ)
+            raise DatasetExists(f"{self.out} holds a finished dataset made differently ({detail}). Pass --overwrite "
+                                "(output.overwrite) to replace it, or write to another directory")
 
     def cache_key(self, shard: "PlannedShard") -> str:
         """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
@@ -150,6 +187,18 @@ class Extraction(CaptureConfig):
         self._intact[shard.name] = receipt
         return receipt
 
+    def check_free_space(self) -> None:
+        """Refuse before any model load when the unfinished shards clearly do not fit on the output's disk."""
+        lengths = [len(s.input_ids) for shard in self.unfinished() for s in shard.samples]
+        needed = shard_data_bytes(lengths, len(self.layers), self.model["hidden_size"], DTYPE_OF_NAME[self.dtype])
+        folder = next(p for p in (self.out, *self.out.resolve().parents) if p.exists())
+        free = shutil.disk_usage(folder).free
+        if needed > free:
+            raise NoRoomError(errno.ENOSPC, f"{self.out}: the unfinished shards need {needed / 1e9:,.2f} GB "
+                              f"({sum(lengths):,} tokens x {len(self.layers)} layers x hidden "
+                              f"{self.model['hidden_size']} x {self.dtype}); {folder}'s file system has "
+                              f"{free / 1e9:,.2f} GB free")
+
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)
 
@@ -174,8 +223,8 @@ class Extraction(CaptureConfig):
         return [s for s in self.shards if self.receipt(s) is None]
 
     def begin(self):
-        """Before touching any shard: drop the manifest, so a crash never leaves a finished-looking dataset."""
-        (self.out / layout.SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        """Before touching any shard: drop the manifest, so a crash never leaves a finished-looking dataset. (The
+        folders come with the first file written in them: a run that fails first leaves no empty dataset.)"""
         (self.out / layout.MANIFEST_FILE).unlink(missing_ok=True)
 
     # -- whole run ---------------------------------------------------------------------------------------------

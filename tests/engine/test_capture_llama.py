@@ -171,3 +171,18 @@ def test_rerun_resumes_only_unfinished_shards(tmp_path, llama_model, engines, pr
     assert computed == ["shard-00001", "shard-00002"]
     assert [s["sha256"] for s in after["shards"]] == [s["sha256"] for s in before["shards"]]
     assert after == before
+
+
+def test_a_finished_dataset_made_differently_is_not_replaced_unless_asked(tmp_path, llama_model, prompts,
+                                                                          fp32_dataset):
+    from eagle_states.extraction.driver import DatasetExists
+
+    source = write_prompt_jsonl(tmp_path / "prompts.jsonl", prompts)
+    Extraction(settings(llama_model, source, fp32_dataset, "float32"))  # the same extraction again: a rerun
+    other_layers = settings(llama_model, source, fp32_dataset, "float32").override({"extract.layer_ids": [1, 3]})
+    with pytest.raises(DatasetExists, match=r"layer_ids: \[0, 2, 4, 5, 8\] there, \[1, 3\] now.*--overwrite"):
+        Extraction(other_layers)
+    fewer = write_prompt_jsonl(tmp_path / "fewer.jsonl", prompts[:3])
+    with pytest.raises(DatasetExists, match="input_sha256"):
+        Extraction(settings(llama_model, fewer, fp32_dataset, "float32"))
+    assert len(Extraction(other_layers.override({"output.overwrite": True})).shards) > 0
