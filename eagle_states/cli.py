@@ -123,6 +123,7 @@ def cmd_run(args) -> int:
     print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
                       "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
                       "cache_hits": result["cache_hits"], "computed": result["computed"],
+                      "repaired": result["repaired"],
                       "valid": result["validation"]["valid"], "stage_seconds": result["stage_seconds"],
                       "workers": result["workers"]}))
     return 0

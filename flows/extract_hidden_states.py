@@ -26,11 +26,11 @@ from tasks.local_workers import compute_on_workers, uses_engine_workers
 from tasks.prepare import prepare_task
 from tasks.publish import publish_task
 from tasks.session import Session, extraction_session
-from tasks.shard_work import results_storage
+from tasks.shard_work import JsonRecordSerializer, results_storage
 from tasks.validate import validate_task
 
 
-@flow(name="extract-hidden-states", log_prints=True)
+@flow(name="extract-hidden-states", log_prints=True, result_serializer=JsonRecordSerializer())  # no pickles stored
 def extract_hidden_states(params: PipelineParams | None = None, params_file: str = "params.yaml") -> dict:
     """Extract EAGLE-3 training hidden states. Without `params`, reads `params_file`."""
     return pipeline(params or load_params(params_file), CaptureEngine)
@@ -62,6 +62,7 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     return {"dataset": params.output.dir, "extract": asdict(extracted), "validation": summary,
             "exports": [asdict(e) for e in exports], "published": asdict(published) if published else None,
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes),
+            "repaired": sum(o.repaired for o in outcomes),
             "stage_seconds": stages, "workers": sorted({o.worker for o in outcomes if o.computed and o.worker})}
 
 
@@ -101,7 +102,7 @@ def run_shards(session: Session, results_dir: str) -> list[ShardOutcome]:
     outcomes = []
     for name in tqdm(names, desc="extract", unit="shard"):
         # run the task (not its cached result) when the file is missing or this run has just written it
-        refresh = not session.intact(name) or name in session.stream.computed
+        refresh = not session.intact(name) or name in session.stream.computed or session.stream.pending(name)
         task = extract_shard_task.with_options(refresh_cache=refresh, result_storage=storage)
         state = task(session.key, name, session.cache_key(name), return_state=True)
         outcome = state.result()
@@ -109,7 +110,8 @@ def run_shards(session: Session, results_dir: str) -> list[ShardOutcome]:
         outcomes.append(replace(outcome, computed=False) if state.name == "Cached" else outcome)
         update_progress_artifact(progress, 100.0 * len(outcomes) / len(names))
     computed = sum(o.computed for o in outcomes)
-    get_run_logger().info("%d shards: %d cache hits, %d computed", len(names), len(names) - computed, computed)
+    get_run_logger().info("%d shards: %d cache hits, %d computed (%d of them rewritten: lost or changed on disk)",
+                          len(names), len(names) - computed, computed, sum(o.repaired for o in outcomes))
     return outcomes
 
 

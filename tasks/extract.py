@@ -8,14 +8,15 @@ from eagle_states import stages
 from eagle_states.extraction.stream import ShardOutcome
 from tasks.retry import transient_only
 from tasks.session import get_session
+from tasks.shard_work import JsonRecordSerializer
 
 
 def _cache_key(context, parameters) -> str:
     return parameters["shard_key"]  # content + model + byte-deciding settings + capture code: Extraction.cache_key
 
 
-@task(name="extract-shard", cache_key_fn=_cache_key, persist_result=True, retries=2, retry_delay_seconds=[2, 10],
-      retry_condition_fn=transient_only, task_run_name="extract-{shard_name}")
+@task(name="extract-shard", cache_key_fn=_cache_key, persist_result=True, result_serializer=JsonRecordSerializer(),
+      retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only, task_run_name="extract-{shard_name}")
 def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> ShardOutcome:
     session = get_session(session_key)
     try:

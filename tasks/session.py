@@ -36,7 +36,7 @@ class Session:
     engines: RestartingEngines
     stream: ShardStream
     guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    slot_wait_s: list[float] = field(default_factory=list)  # time spent waiting for the `gpu-engine` slot
+    slot_wait_s: list[float] = field(default_factory=list)  # waits for the `gpu-engine` slot, where it exists
 
     @property
     def shard_names(self) -> list[str]:
@@ -63,14 +63,15 @@ def gpu_slot_limit_exists() -> bool:
     return True
 
 
-def hold_gpu_slot(guard: contextlib.ExitStack) -> float:
-    """Take a `gpu-engine` slot for the rest of `guard`, if the limit exists; returns the seconds waited. A slot
+def hold_gpu_slot(guard: contextlib.ExitStack) -> float | None:
+    """Take a `gpu-engine` slot for the rest of `guard`, if the limit exists (else None); returns the seconds
+    waited. A slot
     not free at once is waited for with a log line saying why; its lease (GPU_SLOT_LEASE_S) is renewed while this
     process lives, so a crashed run's slot frees within that time."""
     from prefect.concurrency.sync import concurrency
 
     if not gpu_slot_limit_exists():
-        return 0.0
+        return None
     started = time.monotonic()
     try:
         guard.enter_context(concurrency(GPU_CONCURRENCY_LIMIT, occupy=1, timeout_seconds=WAIT_NOTICE_S,
@@ -86,7 +87,9 @@ def hold_gpu_slot(guard: contextlib.ExitStack) -> float:
 def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextlib.ExitStack,
              waits: list[float]):
     def create(settings: EngineSettings) -> CaptureEngine:
-        waits.append(hold_gpu_slot(guard))
+        waited = hold_gpu_slot(guard)
+        if waited is not None:
+            waits.append(waited)
         return factory(settings)
     return create
 

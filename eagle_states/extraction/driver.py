@@ -137,6 +137,7 @@ class Extraction(CaptureConfig):
                                   params.extract.max_model_len - 1, params.validate_.min_loss_tokens)
         self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
         self._intact: dict[str, dict] = {}  # shard name -> receipt, verified or written by this object
+        self.damaged: set[str] = set()  # shards whose receipt is right but whose file is missing or changed
         if not params.output.overwrite:
             self.refuse_replacing_another_dataset()
 
@@ -180,9 +181,10 @@ class Extraction(CaptureConfig):
             receipt = json.loads(path.read_text())
         except (OSError, ValueError):  # receipts are fsynced at finalize: after a power loss one may be empty
             return None
-        if (receipt.get("config_hash") != self.config_hash or receipt.get("content_hash") != shard.content_hash
-                or not file.exists() or file.stat().st_size != receipt["bytes"]
-                or sha256_file(file) != receipt["sha256"]):
+        if receipt.get("config_hash") != self.config_hash or receipt.get("content_hash") != shard.content_hash:
+            return None
+        if not file.exists() or file.stat().st_size != receipt["bytes"] or sha256_file(file) != receipt["sha256"]:
+            self.damaged.add(shard.name)  # finished once, lost or changed since: counted apart when rewritten
             return None
         self._intact[shard.name] = receipt
         return receipt

@@ -20,6 +20,7 @@ class ShardOutcome:
     num_samples: int
     num_tokens: int
     computed: bool  # False when the shard was already on disk
+    repaired: bool = False  # computed because its finished file was lost or changed
     worker: str = ""  # the engine worker that computed it (host-pid); empty in the flow run's own engine
     host: str = ""
     devices: str = ""
@@ -47,7 +48,8 @@ class ShardStream:
     def ensure(self, shard_name: str) -> ShardOutcome:
         extraction = self.extraction
         shard = extraction.planned(shard_name)
-        if extraction.receipt(shard) is None:
+        # a shard of the running pass is taken from the pass even if its file is already back on disk
+        if self.pending(shard_name) or extraction.receipt(shard) is None:
             try:
                 self._advance_pass_to(shard_name)
             except Exception:
@@ -60,8 +62,14 @@ class ShardStream:
         receipt = extraction.receipt(shard)
         if receipt is None:
             raise RuntimeError(f"shard {shard_name}: the engine pass ended without writing it")
+        computed = shard_name in self.computed
         return ShardOutcome(shard.name, receipt["sha256"], receipt["bytes"], len(receipt["samples"]),
-                            sum(s["num_tokens"] for s in receipt["samples"]), shard_name in self.computed)
+                            sum(s["num_tokens"] for s in receipt["samples"]), computed,
+                            computed and shard_name in extraction.damaged)
+
+    def pending(self, shard_name: str) -> bool:
+        """Part of the engine pass under way and not yet recorded."""
+        return self._pass is not None and shard_name in self._pass[1] and shard_name not in self.computed
 
     def _advance_pass_to(self, shard_name: str) -> None:
         extraction = self.extraction

@@ -101,14 +101,70 @@ def test_a_lost_shard_is_recomputed_alone(first_run):
         read_manifest(tmp / "dataset")["shards"]
 
 
+
+def test_damaged_shards_are_counted_exactly(first_run):
+    tmp, params, first, _ = first_run
+    truncated, flipped = shard_path(tmp / "dataset", "shard-00001"), shard_path(tmp / "dataset", "shard-00003")
+    with open(truncated, "r+b") as f:
+        f.truncate(1000)
+    with open(flipped, "r+b") as f:  # same size, one byte changed: only its hash tells
+        f.seek(flipped.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    result, engines_created = run_flow_with(CaptureEngine, params)
+    assert engines_created == 1
+    assert (result["computed"], result["repaired"], result["cache_hits"]) == (2, 2, 3)
+    assert result["extract"] == first["extract"] and result["validation"]["valid"]
+
+class Exploit:
+    """Unpickling this creates a file: what a planted record could do instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_pickle_record_is_refused_not_run(first_run, tmp_path):
+    import base64
+    import pickle
+
+    from prefect._internal.result_records import ResultRecord
+
+    from eagle_states.extraction.driver import Extraction
+
+    tmp, params, _, _ = first_run
+    extraction = Extraction(params)
+    record_path = tmp / "results" / extraction.cache_key(extraction.shards[1])
+    record = json.loads(record_path.read_text())
+    assert record["metadata"]["serializer"]["type"] == "eagle-states-json"
+    marker = tmp_path / "ran"
+    record["metadata"]["serializer"] = {"type": "pickle", "picklelib": "pickle"}
+    record["result"] = base64.b64encode(pickle.dumps(Exploit(marker))).decode()
+    planted = json.dumps(record).encode()
+    ResultRecord.deserialize(planted)  # the plant works: Prefect alone decodes it, and so runs it
+    assert marker.exists()
+    marker.unlink()
+
+    record_path.write_bytes(planted)
+    result, engines_created = run_flow_with(CaptureEngine, params)
+    assert not marker.exists(), "the planted record was decoded"
+    # Prefect takes the refused record for a cache miss: the task runs, finds its shard intact (no model load)
+    # and stores its own record in place of the planted one
+    assert engines_created == 0 and result["computed"] == 0 and result["validation"]["valid"]
+    assert json.loads(record_path.read_text())["metadata"]["serializer"]["type"] == "eagle-states-json"
+
+
 def test_validation_failures_are_not_retried_and_become_an_artifact(first_run):
     import asyncio
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    tmp, _, _, _ = first_run
-    params = pipeline_params(tmp, first_run[1].model.path, min_loss_tokens=10 ** 6)
+    tmp, params, _, _ = first_run
+    plant_a_nan_with_a_matching_receipt(tmp / "dataset", "shard-00004")  # as a capture bug would write it
     state, _ = run_flow_with(CaptureEngine, params, return_state=True)
     assert state.is_failed()
     with pytest.raises(ValidationFailed):
@@ -124,7 +180,24 @@ def test_validation_failures_are_not_retried_and_become_an_artifact(first_run):
             return validate_runs, artifacts
     validate_runs, artifacts = asyncio.run(inspect())
     assert len(validate_runs) == 1 and validate_runs[0].run_count == 1
-    assert artifacts and "loss_tokens" in json.dumps(artifacts[0].data)
+    assert artifacts and "nan" in json.dumps(artifacts[0].data)
+
+
+def plant_a_nan_with_a_matching_receipt(dataset, shard):
+    """A NaN in one hidden state, with the shard's receipt updated to the new bytes: the extraction trusts the
+    shard (its receipt matches), only validation, which reads the tensors, can find it."""
+    from safetensors.torch import load_file
+
+    from eagle_states.dataset.layout import receipt_path
+    from eagle_states.dataset.shard_file import write_shard_file
+
+    path = shard_path(dataset, shard)
+    tensors = load_file(path)
+    key = next(k for k in sorted(tensors) if "/hidden_states/" in k)
+    tensors[key][0, 0] = float("nan")
+    receipt = json.loads(receipt_path(dataset, shard).read_text())
+    receipt["sha256"], receipt["bytes"] = write_shard_file(path, tensors)
+    receipt_path(dataset, shard).write_text(json.dumps(receipt))
 
 
 class DiesOnSecondShard(CaptureEngine):
@@ -146,3 +219,4 @@ def test_a_dead_engine_is_restarted_once_and_the_shard_retried(tmp_path, llama_m
     assert DiesOnSecondShard.killed == 1
     assert engines_created == 2  # the first engine, and one restart
     assert result["computed"] == 5 and result["validation"]["valid"]
+
