@@ -119,7 +119,15 @@ def cmd_run(args) -> int:
     with output_lock(Path(params.output.dir)):  # a second run on this output is refused before it starts anything
         from flows.extract_hidden_states import extract_hidden_states
 
-        result = extract_hidden_states(params=params)
+        try:
+            result = extract_hidden_states(params=params)
+        except RuntimeError as exc:
+            if "ephemeral Prefect API server" not in str(exc):
+                raise
+            raise RuntimeError(f"{exc} The temporary server did not start in "
+                               f"{os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS']} s on this machine: "
+                               "start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api, "
+                               "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
     print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
                       "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
                       "cache_hits": result["cache_hits"], "computed": result["computed"],

@@ -115,8 +115,8 @@ class CaptureEngine:
         self.world_size = settings.tensor_parallel_size
         setup = self._rpc(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
                                   hidden_size=settings.hidden_size, write_threads=settings.write_threads))
-        log.info("capture engine ready: vLLM %s on %s, %d layers, capturing %s", setup.vllm_version, setup.device,
-                 setup.num_layers, list(settings.layer_ids))
+        log.info("capture engine ready: vLLM %s (%s) on %s, %d layers, capturing %s", setup.vllm_version,
+                 setup.model_runner, setup.device, setup.num_layers, list(settings.layer_ids))
         self.kv_cache = setup
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self._request_counter = 0

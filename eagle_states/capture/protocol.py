@@ -20,6 +20,11 @@ class UnsupportedModelError(CaptureError):
     pass
 
 
+class UnsupportedRunnerError(UnsupportedModelError):
+    """The engine runs a model runner the capture hooks were not written for (vLLM's V2 runner, or a vLLM without
+    the V1 runner)."""
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -65,6 +70,7 @@ class SetupReply(Message):
     hidden_size: int
     device: str
     vllm_version: str
+    model_runner: str  # its module and class: the V1 runner (`worker.check_model_runner`)
     kv_cache_blocks: int
     kv_cache_groups: int
     kv_block_tokens: int

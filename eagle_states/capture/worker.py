@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from eagle_states.capture import protocol as p
-from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError, UnsupportedModelError
+from eagle_states.capture import CHECKED_VLLM_VERSIONS
+from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError, UnsupportedModelError, UnsupportedRunnerError
 from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
 
@@ -534,6 +535,27 @@ class _Capture:
         return p.Discarded(samples=dropped)
 
 
+def check_model_runner(runner_class: type) -> None:
+    """The capture hooks need vLLM's V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, or a
+    subclass such as the CPU build's): its `_model_forward`, `input_batch` and `requests` are what they read. vLLM's
+    V2 runner (`vllm.v1.worker.gpu.model_runner`, the GPU default from vLLM 0.33) has another forward path; a vLLM
+    without the V1 runner cannot be captured at all. Refused here, at engine start, with what to do."""
+    import vllm
+
+    checked = ", ".join(CHECKED_VLLM_VERSIONS)
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+    except ImportError:
+        raise UnsupportedRunnerError(f"vLLM {vllm.__version__} has no V1 model runner, which the capture hooks need; "
+                                     f"install a version it was checked on ({checked})") from None
+    if not (isinstance(runner_class, type) and issubclass(runner_class, V1Runner)):
+        name = f"{getattr(runner_class, '__module__', '?')}.{getattr(runner_class, '__qualname__', runner_class)}"
+        raise UnsupportedRunnerError(
+            f"vLLM {vllm.__version__} runs the model runner {name}; the capture hooks need the V1 runner "
+            f"(vllm.v1.worker.gpu_model_runner.GPUModelRunner): set VLLM_USE_V2_MODEL_RUNNER=0 (the capture sets it "
+            f"unless it is set already), or install a version it was checked on ({checked})")
+
+
 class CaptureWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`). The driver calls `eagle_capture_call` with a message of
     `protocol.py` through `collective_rpc`; every rank answers with an `Envelope`."""
@@ -560,6 +582,7 @@ class CaptureWorkerExtension:
 
         if getattr(self, "_eagle_capture", None) is not None:
             raise CaptureError("capture is already set up on this worker")
+        check_model_runner(type(self.model_runner))  # before a hook is installed
         pp_size = self.vllm_config.parallel_config.pipeline_parallel_size
         if pp_size > 1:
             raise UnsupportedModelError("pipeline parallelism is not supported: use tensor parallelism")
@@ -569,5 +592,6 @@ class CaptureWorkerExtension:
         kv = self.model_runner.kv_cache_config  # what the scheduler admits requests against
         return self._eagle_envelope(p.SetupReply(
             num_layers=cap.num_layers, hidden_size=cap.hidden_size, device=str(self.model_runner.device),
-            vllm_version=vllm.__version__, kv_cache_blocks=kv.num_blocks, kv_cache_groups=len(kv.kv_cache_groups),
+            vllm_version=vllm.__version__, model_runner=f"{type(self.model_runner).__module__}."
+            f"{type(self.model_runner).__qualname__}", kv_cache_blocks=kv.num_blocks, kv_cache_groups=len(kv.kv_cache_groups),
             kv_block_tokens=min(g.kv_cache_spec.block_size for g in kv.kv_cache_groups)))

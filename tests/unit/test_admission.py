@@ -9,8 +9,8 @@ from eagle_states.dataset.prepared import InputSample
 
 
 def kv_cache(blocks: int, groups: int = 1) -> SetupReply:
-    return SetupReply(num_layers=1, hidden_size=64, device="cpu", vllm_version="test", kv_cache_blocks=blocks,
-                      kv_cache_groups=groups, kv_block_tokens=16)
+    return SetupReply(num_layers=1, hidden_size=64, device="cpu", vllm_version="test", model_runner="test",
+                      kv_cache_blocks=blocks, kv_cache_groups=groups, kv_block_tokens=16)
 
 
 KV = kv_cache(1000)
