@@ -1,13 +1,27 @@
-"""Correctness on a GPU (run on the device before its benchmark): the demo model's bf16 states from the CUDA
-build of vLLM against Hugging Face on the same GPU, with chunked prefill and 16 requests in flight; then every
-other shard is computed again, beside other neighbours than the first time (vLLM's asynchronous scheduling,
-which the CPU build lacks, admits the next shard while the last one finishes), and must come out byte-identical.
+"""Correctness on a GPU (run on the device before its benchmark), for the two model families the project serves.
 
-    python3 bench/gpu_check.py WORKDIR
-Prints a summary line and exits 1 if any sample is off by more than twice HF's own bf16 error or any shard
-computed again differs.
+Llama (the demo model): bf16 states from the CUDA build of vLLM against Hugging Face on the same GPU, with
+chunked prefill and 16 requests in flight; then every other shard is computed again, beside other neighbours than
+the first time (vLLM's asynchronous scheduling admits the next shard while the last one finishes), and must come
+out byte-identical. Fails if any sample is off by more than twice HF's own bf16 error.
+
+DeepSeek-V3 (MLA with DeepSeek's own head sizes, which CUDA's MLA kernels need; MoE after a dense layer): every
+layer boundary is captured (ids 0..N) in bf16 with chunked prefill and 16 requests in flight. Comparing whole
+models cannot tell a capture bug from MoE routing that flips on a near-tie (a random router has many; vLLM's and
+HF's routers see inputs a bf16 rounding apart), and a flipped token then spreads through attention. So each layer
+is checked on its own, teacher-forced: HF's layer k is run on the states vLLM captured entering layer k, and its
+output is compared with what vLLM captured entering layer k+1. Every token is *held* to the bf16 tolerance
+(twice HF's own bf16 error for that token, at least twice the layer's median) unless, at an MoE layer, its top-k
+expert choice is within ROUTING_TIE of a tie in HF's own fp32 router on those inputs: such tokens are *counted*,
+and more than MAX_COUNTED of a layer's tokens counted fails the check. A deliberately shifted capture (rows one
+token off) is run through the same criterion and must fail it.
+
+    python3 bench/gpu_check.py WORKDIR [--only llama|deepseek] [--device cpu]
+Prints one summary per model (per layer for DeepSeek) and exits 1 if either fails. `--device cpu` runs it on
+the CPU build (DeepSeek with the CPU build's head sizes), to try the check itself.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,15 +36,19 @@ from eagle_states.dataset.reader import Dataset  # noqa: E402
 from eagle_states.demo import make_demo_model  # noqa: E402
 from eagle_states.extraction.driver import Extraction, run_extraction  # noqa: E402
 
-if __name__ == "__main__":
-    work = Path(sys.argv[1])
+LENGTHS = [1, 2, 5, 17, 63, 64, 65, 130, 200, 257, 40, 40, 9, 100, 33, 3, 700, 1500]
+ROUTING_TIE = 0.02  # top-k margin of the router's scores (sigmoid + bias) below which a flip is engine numerics
+MAX_COUNTED = 0.10  # of a layer's tokens: more near-ties than this and the check says nothing
+
+
+def llama_check(work: Path, device: str) -> tuple[bool, str]:
     model = make_demo_model(work / "demo-model")
-    prompts = random_prompts([1, 2, 5, 17, 63, 64, 65, 130, 200, 257, 40, 40, 9, 100, 33, 3, 700, 1500], 500, seed=1)
+    prompts = random_prompts(LENGTHS, 500, seed=1)
     source = write_prompt_jsonl(work / "prompts.jsonl", prompts)
     layers = [0, 2, 4, 5, 8]
     params = extraction_params(model, source, work / "dataset", layer_ids=layers, dtype="bfloat16",
                                shard_max_tokens=512, max_model_len=2048, max_num_batched_tokens=256,
-                               max_num_seqs=16, gpu_memory_utilization=0.3)
+                               max_num_seqs=16, gpu_memory_utilization=0.3 if device == "cuda" else 0.2)
     engines = EngineHolder()
     manifest = run_extraction(Extraction(params), progress=False, engines=engines)
     again = manifest["shards"][1::2]
@@ -41,8 +59,8 @@ if __name__ == "__main__":
                                                                   engines=engines)["shards"]}
     engines.close()
     changed = [s["name"] for s in again if recomputed[s["name"]] != s["sha256"]]
-    exact = load_hf(model, torch.float32).cuda()
-    own = load_hf(model, torch.bfloat16).cuda()
+    exact = load_hf(model, torch.float32).to(device)
+    own = load_hf(model, torch.bfloat16).to(device)
     worst_ratio, failures = 0.0, 0
     for sample, prompt in zip(Dataset(work / "dataset"), prompts):
         assert sample.input_ids.tolist() == prompt and len(sample.hidden_states) == len(layers)
@@ -53,7 +71,128 @@ if __name__ == "__main__":
             if len(prompt) >= 16:
                 worst_ratio = max(worst_ratio, ours / max(theirs, 1e-6))
                 failures += ours > 2 * theirs + 1e-3
-    print(f"GPU CHECK: {len(prompts)} samples, worst (ours / HF bf16 error) = {worst_ratio:.2f}, failures {failures}; "
-          f"{len(again)} of {len(manifest['shards'])} shards computed again beside other neighbours, "
-          f"{len(changed)} differ {changed}")
-    sys.exit(1 if failures or changed else 0)
+    ok = not failures and not changed
+    return ok, (f"LLAMA {'PASS' if ok else 'FAIL'}: {len(prompts)} samples, worst (ours / HF bf16 error) = "
+                f"{worst_ratio:.2f}, failures {failures}; {len(again)} of {len(manifest['shards'])} shards computed "
+                f"again beside other neighbours, {len(changed)} differ {changed}")
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def teacher_forced_layer(model, k: int, input_ids: list[int], entering: torch.Tensor):
+    """HF's layer k run on `entering` ([T, H], the states vLLM captured entering layer k): returns its output
+    [T, H] in fp32 and, for an MoE layer, each token's top-k margin in the router's scores (else None)."""
+    layer = model.model.layers[k]
+    gate = getattr(getattr(layer, "mlp", None), "gate", None)
+    seen = {}
+
+    def replace_input(module, args, kwargs):
+        states = entering.to(device=model.device, dtype=model.dtype).unsqueeze(0)
+        if args:
+            return (states, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": states}
+
+    def keep_output(module, args, kwargs, output):
+        seen["out"] = (output[0] if isinstance(output, tuple) else output)[0].float()
+        raise _Stop
+
+    handles = [layer.register_forward_pre_hook(replace_input, with_kwargs=True),
+               layer.register_forward_hook(keep_output, with_kwargs=True)]
+    if gate is not None and hasattr(gate, "e_score_correction_bias"):
+        handles.append(gate.register_forward_pre_hook(lambda m, args: seen.__setitem__("gate_in", args[0])))
+    try:
+        model(torch.tensor([input_ids], device=model.device))
+    except _Stop:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    margins = None
+    if "gate_in" in seen:
+        x = seen["gate_in"].reshape(-1, gate.weight.shape[1]).float()
+        scores = torch.nn.functional.linear(x, gate.weight.float()).sigmoid() + gate.e_score_correction_bias.float()
+        top = scores.topk(gate.top_k + 1, dim=-1).values
+        margins = (top[:, gate.top_k - 1] - top[:, gate.top_k]).cpu()  # n_group = 1: the plain top-k boundary
+    return seen["out"].cpu(), margins
+
+
+def per_token_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.norm(a.float() - b.float(), dim=-1) / torch.linalg.norm(b.float(), dim=-1).clamp_min(1e-12)
+
+
+def judge_layer(pairs) -> dict:
+    """`pairs`: per sample, (ours [T,H], HF fp32 [T,H], HF bf16 [T,H], margins [T] or None) for one layer.
+    Returns held, counted and failed token counts (failed: held tokens beyond the tolerance)."""
+    errors = [(per_token_error(ours, exact), per_token_error(own, exact), margins)
+              for ours, exact, own, margins in pairs]
+    median_own = torch.cat([own for _, own, _ in errors]).median().item()
+    held = counted = failed = 0
+    worst = 0.0
+    for ours, own, margins in errors:
+        tolerance = 2 * torch.maximum(own, torch.full_like(own, median_own)) + 1e-3
+        tie = margins < ROUTING_TIE if margins is not None else torch.zeros_like(ours, dtype=torch.bool)
+        counted += int(tie.sum())
+        held += int((~tie).sum())
+        failed += int((ours[~tie] > tolerance[~tie]).sum())
+        if (~tie).any():
+            worst = max(worst, (ours[~tie] / tolerance[~tie]).max().item())
+    return {"held": held, "counted": counted, "failed": failed, "worst_of_tolerance": worst,
+            "passed": failed == 0 and counted <= MAX_COUNTED * (held + counted)}
+
+
+def deepseek_check(work: Path, device: str) -> tuple[bool, str]:
+    arch = "deepseek-v3-cuda" if device == "cuda" else "deepseek-v3"
+    num_layers = 4
+    model = make_demo_model(work / "deepseek-model", arch=arch, num_layers=num_layers, hidden_size=512,
+                            num_heads=4, device=device)
+    prompts = random_prompts(LENGTHS, 2000, seed=2)
+    source = write_prompt_jsonl(work / "deepseek-prompts.jsonl", prompts)
+    layers = list(range(num_layers + 1))  # every boundary: entering each layer, then the final pre-norm state
+    params = extraction_params(model, source, work / "deepseek-dataset", layer_ids=layers, dtype="bfloat16",
+                               shard_max_tokens=1024, max_model_len=2048, max_num_batched_tokens=256,
+                               max_num_seqs=16, gpu_memory_utilization=0.3 if device == "cuda" else 0.2)
+    run_extraction(Extraction(params), progress=False)
+    exact = load_hf(model, torch.float32).to(device)
+    own = load_hf(model, torch.bfloat16).to(device)
+    samples = [(s.hidden_states, p) for s, p in zip(Dataset(work / "deepseek-dataset"), prompts) if len(p) >= 16]
+    lines, passed = [], True
+    for shifted in (False, True):
+        verdicts = []
+        for k in range(num_layers):
+            pairs = []
+            for states, prompt in samples:
+                out_exact, margins = teacher_forced_layer(exact, k, prompt, states[k])
+                out_own, _ = teacher_forced_layer(own, k, prompt, states[k])
+                ours = states[k + 1].roll(1, dims=0) if shifted else states[k + 1]
+                pairs.append((ours, out_exact, out_own, margins))
+            verdicts.append(judge_layer(pairs))
+        if shifted:
+            caught = not all(v["passed"] for v in verdicts)
+            passed &= caught
+            lines.append(f"  a capture shifted by one token: {'caught' if caught else 'NOT CAUGHT'} "
+                         f"(failed tokens per layer {[v['failed'] for v in verdicts]})")
+        else:
+            passed &= all(v["passed"] for v in verdicts)
+            lines += [f"  layer {k} ({'dense' if k == 0 else 'MoE'}): {v['held']} tokens held, {v['failed']} beyond "
+                      f"tolerance (worst {v['worst_of_tolerance']:.2f} of it), {v['counted']} counted as routing "
+                      f"near-ties" for k, v in enumerate(verdicts)]
+    head = (f"DEEPSEEK-V3 {'PASS' if passed else 'FAIL'}: {arch}, {len(prompts)} samples ({len(samples)} of 16+ "
+            f"tokens judged), layers 0..{num_layers} in bf16, max_num_batched_tokens 256, 16 requests in flight; "
+            f"teacher-forced per layer, near-tie margin {ROUTING_TIE}, at most {MAX_COUNTED:.0%} counted")
+    return passed, "\n".join([head, *lines])
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--only", choices=["llama", "deepseek"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args()
+    results = [check(args.work, args.device) for name, check in (("llama", llama_check), ("deepseek", deepseek_check))
+               if args.only in (None, name)]
+    for _, text in results:
+        print(text)
+    sys.exit(0 if all(ok for ok, _ in results) else 1)

@@ -199,9 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where to initialise the weights; cuda is faster for big "
                                                   "shapes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
-    p.add_argument("--arch", choices=["llama", "deepseek-v3", "deepseek-v3-real"], default="llama",
-                   help="deepseek-v3-real: DeepSeek-V3's real widths (hidden 7168, 128 MLA heads), 32 experts "
-                        "(default: %(default)s)")
+    p.add_argument("--arch", choices=["llama", "deepseek-v3", "deepseek-v3-cuda", "deepseek-v3-real"],
+                   default="llama", help="deepseek-v3: MLA + MoE at toy size (the CPU build's head sizes); "
+                   "deepseek-v3-cuda: the same with DeepSeek's own head sizes, which CUDA's MLA kernels need; "
+                   "deepseek-v3-real: DeepSeek-V3's real widths (hidden 7168, 128 MLA heads), 32 experts "
+                   "(default: %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size, heads of 64 (default: %(default)s)")
     p.set_defaults(func=cmd_make_demo_model)

@@ -95,6 +95,16 @@ def _deepseek_config(vocab: int, layers: int, hidden: int, heads: int):
         num_nextn_predict_layers=0)
 
 
+def _deepseek_cuda_config(vocab: int, layers: int, hidden: int, heads: int):
+    """The toy model with DeepSeek's own attention head sizes (nope 128, rope 64, v 128, kv_lora_rank 512), which
+    CUDA's MLA kernels need (the toy's 64s do not start there)."""
+    config = _deepseek_config(vocab, layers, hidden, heads)
+    config.qk_nope_head_dim, config.v_head_dim = 128, 128
+    config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    config.head_dim = config.qk_rope_head_dim
+    return config
+
+
 def _deepseek_real_config(vocab: int, layers: int, hidden: int, heads: int):
     """DeepSeek-V3's real widths (hidden 7168, 128 heads of MLA, experts of 2048) with fewer layers and experts."""
     from transformers import DeepseekV3Config
@@ -123,7 +133,7 @@ def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_la
         pad_token="<|pad|>", chat_template=CHAT_TEMPLATE, model_max_length=4096)
     tokenizer.save_pretrained(out_dir)
 
-    make_config = {"llama": _llama_config, "deepseek-v3": _deepseek_config,
+    make_config = {"llama": _llama_config, "deepseek-v3": _deepseek_config, "deepseek-v3-cuda": _deepseek_cuda_config,
                    "deepseek-v3-real": _deepseek_real_config}[arch]
     config = make_config(len(tokenizer), num_layers, hidden_size, num_heads)
     torch.manual_seed(seed)

@@ -79,17 +79,19 @@ def test_signal_stops_within_seconds_and_writes_nothing_after_it(tmp_path, llama
     dataset = tmp_path / "work" / "dataset"
     receipts = dataset / "receipts"
 
-    proc = subprocess.Popen([EAGLE_STATES, command], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "stderr.log"  # a file, not a pipe: a pipe nobody reads fills and blocks the run
+    proc = subprocess.Popen([EAGLE_STATES, command], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"), start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and not list(receipts.glob("*.json")) and proc.poll() is None:
         time.sleep(0.05)
-    assert proc.poll() is None, "the run was still extracting"
+    assert proc.poll() is None, "the run was still extracting:\n" + log.read_text()[-3000:]
     before = _snapshot(dataset)
     signalled = time.monotonic()
     (os.killpg if to_group else os.kill)(proc.pid, signum)
-    _, stderr = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
     seconds = time.monotonic() - signalled
+    stderr = log.read_text()
     print(f"{command} stopped by {signal.Signals(signum).name} in {seconds:.2f} s")
     after = _snapshot(dataset)
 
