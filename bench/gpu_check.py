@@ -12,9 +12,9 @@ HF's routers see inputs a bf16 rounding apart), and a flipped token then spreads
 is checked on its own, teacher-forced: HF's layer k is run on the states vLLM captured entering layer k, and its
 output is compared with what vLLM captured entering layer k+1. Every token is *held* to the bf16 tolerance
 (twice HF's own bf16 error for that token, at least twice the layer's median) unless, at an MoE layer, its top-k
-expert choice is within ROUTING_TIE of a tie in HF's own fp32 router on those inputs: such tokens are *counted*,
-and more than MAX_COUNTED of a layer's tokens counted fails the check. A deliberately shifted capture (rows one
-token off) is run through the same criterion and must fail it.
+expert choice is within ROUTING_TIE of a tie in HF's own fp32 router on those inputs; such a token beyond the
+tolerance is *counted* as a routing flip, and more than MAX_FLIPS of a layer's tokens flipped fails the check.
+A deliberately shifted capture (rows one token off) is run through the same criterion and must fail it.
 
     python3 bench/gpu_check.py WORKDIR [--only llama|deepseek] [--device cpu]
 Prints one summary per model (per layer for DeepSeek) and exits 1 if either fails. `--device cpu` runs it on
@@ -38,7 +38,7 @@ from eagle_states.extraction.driver import Extraction, run_extraction  # noqa: E
 
 LENGTHS = [1, 2, 5, 17, 63, 64, 65, 130, 200, 257, 40, 40, 9, 100, 33, 3, 700, 1500]
 ROUTING_TIE = 0.02  # top-k margin of the router's scores (sigmoid + bias) below which a flip is engine numerics
-MAX_COUNTED = 0.10  # of a layer's tokens: more near-ties than this and the check says nothing
+MAX_FLIPS = 0.05  # of a layer's tokens: more flips than this is not a few near-ties any more
 
 
 def llama_check(work: Path, device: str) -> tuple[bool, str]:
@@ -125,22 +125,22 @@ def per_token_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def judge_layer(pairs) -> dict:
     """`pairs`: per sample, (ours [T,H], HF fp32 [T,H], HF bf16 [T,H], margins [T] or None) for one layer.
-    Returns held, counted and failed token counts (failed: held tokens beyond the tolerance)."""
+    Every token away from a routing tie is held to the tolerance (`failed` counts those beyond it); a near-tie
+    token beyond it is a routing flip (`flips`), allowed up to MAX_FLIPS of the layer's tokens."""
     errors = [(per_token_error(ours, exact), per_token_error(own, exact), margins)
               for ours, exact, own, margins in pairs]
     median_own = torch.cat([own for _, own, _ in errors]).median().item()
-    held = counted = failed = 0
+    held = near_ties = failed = flips = 0
     worst = 0.0
     for ours, own, margins in errors:
-        tolerance = 2 * torch.maximum(own, torch.full_like(own, median_own)) + 1e-3
-        tie = margins < ROUTING_TIE if margins is not None else torch.zeros_like(ours, dtype=torch.bool)
-        counted += int(tie.sum())
-        held += int((~tie).sum())
-        failed += int((ours[~tie] > tolerance[~tie]).sum())
-        if (~tie).any():
-            worst = max(worst, (ours[~tie] / tolerance[~tie]).max().item())
-    return {"held": held, "counted": counted, "failed": failed, "worst_of_tolerance": worst,
-            "passed": failed == 0 and counted <= MAX_COUNTED * (held + counted)}
+        beyond = ours > 2 * torch.maximum(own, torch.full_like(own, median_own)) + 1e-3
+        tie = margins < ROUTING_TIE if margins is not None else torch.zeros_like(beyond)
+        held, near_ties = held + int((~tie).sum()), near_ties + int(tie.sum())
+        failed, flips = failed + int((beyond & ~tie).sum()), flips + int((beyond & tie).sum())
+        worst = max(worst, (ours / (2 * torch.maximum(own, torch.full_like(own, median_own)) + 1e-3))[~tie].max().item()
+                    if (~tie).any() else 0.0)
+    return {"held": held, "near_ties": near_ties, "failed": failed, "flips": flips, "worst_of_tolerance": worst,
+            "passed": failed == 0 and flips <= MAX_FLIPS * (held + near_ties)}
 
 
 def deepseek_check(work: Path, device: str) -> tuple[bool, str]:
@@ -148,7 +148,7 @@ def deepseek_check(work: Path, device: str) -> tuple[bool, str]:
     num_layers = 4
     model = make_demo_model(work / "deepseek-model", arch=arch, num_layers=num_layers, hidden_size=512,
                             num_heads=4, device=device)
-    prompts = random_prompts(LENGTHS, 2000, seed=2)
+    prompts = random_prompts(LENGTHS, 500, seed=2)
     source = write_prompt_jsonl(work / "deepseek-prompts.jsonl", prompts)
     layers = list(range(num_layers + 1))  # every boundary: entering each layer, then the final pre-norm state
     params = extraction_params(model, source, work / "deepseek-dataset", layer_ids=layers, dtype="bfloat16",
@@ -158,14 +158,16 @@ def deepseek_check(work: Path, device: str) -> tuple[bool, str]:
     exact = load_hf(model, torch.float32).to(device)
     own = load_hf(model, torch.bfloat16).to(device)
     samples = [(s.hidden_states, p) for s, p in zip(Dataset(work / "deepseek-dataset"), prompts) if len(p) >= 16]
+    references = {(i, k): (teacher_forced_layer(exact, k, prompt, states[k]),
+                           teacher_forced_layer(own, k, prompt, states[k])[0])
+                  for i, (states, prompt) in enumerate(samples) for k in range(num_layers)}
     lines, passed = [], True
     for shifted in (False, True):
         verdicts = []
         for k in range(num_layers):
             pairs = []
-            for states, prompt in samples:
-                out_exact, margins = teacher_forced_layer(exact, k, prompt, states[k])
-                out_own, _ = teacher_forced_layer(own, k, prompt, states[k])
+            for i, (states, prompt) in enumerate(samples):
+                (out_exact, margins), out_own = references[i, k]
                 ours = states[k + 1].roll(1, dims=0) if shifted else states[k + 1]
                 pairs.append((ours, out_exact, out_own, margins))
             verdicts.append(judge_layer(pairs))
@@ -173,15 +175,16 @@ def deepseek_check(work: Path, device: str) -> tuple[bool, str]:
             caught = not all(v["passed"] for v in verdicts)
             passed &= caught
             lines.append(f"  a capture shifted by one token: {'caught' if caught else 'NOT CAUGHT'} "
-                         f"(failed tokens per layer {[v['failed'] for v in verdicts]})")
+                         f"(held tokens beyond tolerance per layer {[v['failed'] for v in verdicts]})")
         else:
             passed &= all(v["passed"] for v in verdicts)
-            lines += [f"  layer {k} ({'dense' if k == 0 else 'MoE'}): {v['held']} tokens held, {v['failed']} beyond "
-                      f"tolerance (worst {v['worst_of_tolerance']:.2f} of it), {v['counted']} counted as routing "
-                      f"near-ties" for k, v in enumerate(verdicts)]
+            lines += [f"  layer {k} ({'dense' if k == 0 else 'MoE'}): {v['held']} tokens held, {v['failed']} of "
+                      f"them beyond tolerance (worst {v['worst_of_tolerance']:.2f} of it); {v['near_ties']} near "
+                      f"a routing tie, {v['flips']} of them beyond tolerance (routing flips)"
+                      for k, v in enumerate(verdicts)]
     head = (f"DEEPSEEK-V3 {'PASS' if passed else 'FAIL'}: {arch}, {len(prompts)} samples ({len(samples)} of 16+ "
             f"tokens judged), layers 0..{num_layers} in bf16, max_num_batched_tokens 256, 16 requests in flight; "
-            f"teacher-forced per layer, near-tie margin {ROUTING_TIE}, at most {MAX_COUNTED:.0%} counted")
+            f"teacher-forced per layer, near-tie margin {ROUTING_TIE}, at most {MAX_FLIPS:.0%} flips")
     return passed, "\n".join([head, *lines])
 
 

@@ -32,7 +32,7 @@ def write_prompt_jsonl(path: Path, prompts, ids=None) -> Path:
     with open(path, "w") as f:
         for i, prompt in enumerate(prompts):
             row = {"id": ids[i] if ids else f"p{i:03d}", "input_ids": prompt,
-                   "loss_mask": [int(j % 3 != 0) for j in range(len(prompt))]}
+                   "loss_mask": [int(j % 3 != 2) for j in range(len(prompt))]}  # every row has a loss token
             f.write(json.dumps(row) + "\n")
     return path
 

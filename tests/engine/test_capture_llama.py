@@ -64,7 +64,7 @@ def test_layout_and_prompts(fp32_dataset, prompts):
     assert dataset.sample_ids == [f"p{i:03d}" for i in range(len(prompts))]
     for sample, prompt in zip(dataset, prompts):
         assert sample.input_ids.tolist() == prompt
-        assert sample.loss_mask.tolist() == [int(j % 3 != 0) for j in range(len(prompt))]
+        assert sample.loss_mask.tolist() == [int(j % 3 != 2) for j in range(len(prompt))]
         assert len(sample.hidden_states) == len(LAYERS)
         assert all(t.shape == (len(prompt), 256) and t.dtype == torch.float32 for t in sample.hidden_states)
 
