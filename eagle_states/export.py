@@ -73,15 +73,15 @@ def _write_sample(path: Path, fmt: str, sample: Sample) -> None:
             "aux_hidden_state": torch.cat(sample.hidden_states[:-1], dim=-1)[None]}))
 
 
-def export_dataset(dataset_dir: Path, out: Path, fmt: str, report: Path, progress: bool = True) -> dict:
+def export_dataset(dataset_dir: Path, out: Path, fmt: str, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     if fmt not in FORMATS:
         raise ExportRefused(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     dataset_dir, out = Path(dataset_dir), Path(out)
-    if not is_validated(dataset_dir, report):
-        raise ExportRefused(f"{dataset_dir} has not passed validation (or changed since {report}); run "
-                            "`eagle-states validate` first")
+    if not is_validated(dataset_dir):
+        raise ExportRefused(f"{dataset_dir} has not passed validation (or changed since); run "
+                            f"`eagle-states validate {dataset_dir}` first")
     dataset = Dataset(dataset_dir)
     check_layers(dataset.layers, fmt)
     source = {"dataset": str(dataset_dir.resolve()), "manifest_sha256": sha256_file(dataset_dir / MANIFEST_FILE),

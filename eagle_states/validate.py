@@ -18,10 +18,10 @@ import pandera.pandas as pa
 from pandera.typing import Series
 
 from eagle_states.dataset import layout
-from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, hash_files, hash_json, sha256_file
 from eagle_states.dataset.layout import LAYER_SEMANTICS
 from eagle_states.dataset.manifest import layer_selection, read_manifest
-from eagle_states.dataset.prepared import read_sample_ids
+from eagle_states.dataset.prepared import SAMPLES_FILE, read_sample_ids
 from eagle_states.dataset.shard_file import CODE_OF_NAME, read_header
 
 log = logging.getLogger(__name__)
@@ -246,15 +246,26 @@ class ValidationResult:
 
 
 def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_loss_tokens: int = 0,
-                     report: Path | None = None) -> ValidationResult:
-    """Validate a dataset directory. With `report`, writes the summary there (and NAME_failures.csv beside it
-    when invalid); the report lives outside the dataset, whose bytes stay the writer's.
+                     report: Path | None = None, reuse: bool = True) -> ValidationResult:
+    """Validate a dataset directory and record the outcome beside it (`layout.validation_record_path`). With
+    `report`, the summary goes there too (and NAME_failures.csv beside it when invalid); reports live outside the
+    dataset, whose bytes stay the writer's.
+
+    A dataset found valid before is not read again (`reuse`) while its record's key still holds: the same
+    manifest, every file of the dataset with the same size and modification time, the same validator code, the
+    same settings and the same prepared input. Anything else is validated from the files.
 
     Raises OSError/FileNotFoundError when it cannot run (I/O, worth a retry); returns a result otherwise.
     """
     started = time.time()
     dataset_dir = Path(dataset_dir)
     manifest = read_manifest(dataset_dir)
+    key = _record_key(dataset_dir, manifest, prepared_dir, min_loss_tokens)
+    record = _read_record(dataset_dir)
+    if reuse and record and record.get("key") == key and record["summary"].get("valid"):
+        summary = {**record["summary"], "reused": True, "seconds": round(time.time() - started, 3)}
+        _write_report(report, summary, None)
+        return ValidationResult(True, pd.DataFrame(columns=FAILURE_COLUMNS), summary)
     index = pd.read_parquet(dataset_dir / layout.INDEX_FILE)
     expected = {sid: "index" for sid in index["sample_id"]}
     if prepared_dir is not None:
@@ -282,20 +293,49 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         "bytes": int(tables.bytes_read), "layers": manifest["layer_ids"], "dtype": manifest["dtype"],
         "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
         "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
-        "dataset_manifest_sha256": sha256_file(dataset_dir / layout.MANIFEST_FILE)}
-    if report is not None:
-        atomic_write_json(Path(report), summary)
-        if failures_frame.empty:
-            failures_path(report).unlink(missing_ok=True)
-        else:
-            atomic_write_bytes(failures_path(report), failures_frame.to_csv(index=False).encode())
+        "dataset_manifest_sha256": key["manifest_sha256"], "reused": False}
+    atomic_write_json(layout.validation_record_path(dataset_dir), {"key": key, "summary": summary})
+    _write_report(report, summary, failures_frame)
     return ValidationResult(failures_frame.empty, failures_frame, summary)
 
 
-def is_validated(dataset_dir: Path, report: Path) -> bool:
-    """True if `report` says the dataset passed validation and the dataset has not changed since (same manifest)."""
-    report, manifest = Path(report), Path(dataset_dir) / layout.MANIFEST_FILE
-    if not report.exists() or not manifest.exists():
+def _write_report(report: Path | None, summary: dict, failures: pd.DataFrame | None) -> None:
+    if report is None:
+        return
+    atomic_write_json(Path(report), summary)
+    if failures is None or failures.empty:
+        failures_path(report).unlink(missing_ok=True)
+    else:
+        atomic_write_bytes(failures_path(report), failures.to_csv(index=False).encode())
+
+
+def validator_version() -> str:
+    """The code that decides a verdict: this module and the contract it checks."""
+    package = Path(layout.__file__).resolve().parent.parent
+    return hash_files([package / "validate.py", package / "dataset" / "layout.py",
+                       package / "dataset" / "shard_file.py", package / "dataset" / "manifest.py"], root=package)[:16]
+
+
+def _record_key(dataset_dir: Path, manifest: dict, prepared_dir: Path | None, min_loss_tokens: int) -> dict:
+    files = [layout.MANIFEST_FILE, layout.INDEX_FILE, *(s["file"] for s in manifest["shards"])]
+    stats = [(name, *(lambda st: (st.st_size, st.st_mtime_ns))((dataset_dir / name).stat())) for name in files
+             if (dataset_dir / name).exists()]
+    prepared = Path(prepared_dir) / SAMPLES_FILE if prepared_dir is not None else None
+    return {"manifest_sha256": sha256_file(dataset_dir / layout.MANIFEST_FILE), "files": hash_json(stats),
+            "validator": validator_version(), "min_loss_tokens": min_loss_tokens,
+            "prepared": sha256_file(prepared) if prepared is not None and prepared.exists() else None}
+
+
+def _read_record(dataset_dir: Path) -> dict | None:
+    try:
+        return json.loads(layout.validation_record_path(dataset_dir).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_validated(dataset_dir: Path) -> bool:
+    """True if the dataset's own validation record says it passed and its manifest is unchanged since."""
+    record, manifest = _read_record(Path(dataset_dir)), Path(dataset_dir) / layout.MANIFEST_FILE
+    if not record or not manifest.exists():
         return False
-    summary = json.loads(report.read_text())
-    return bool(summary.get("valid")) and summary.get("dataset_manifest_sha256") == sha256_file(manifest)
+    return bool(record["summary"].get("valid")) and record["key"]["manifest_sha256"] == sha256_file(manifest)

@@ -17,6 +17,8 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle_states import stopping
 from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
+from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.layout import MANIFEST_FILE
 from eagle_states.dataset.output_lock import output_lock
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
@@ -30,10 +32,29 @@ from tasks.shard_work import JsonRecordSerializer, results_storage
 from tasks.validate import validate_task
 
 
-@flow(name="extract-hidden-states", log_prints=True, result_serializer=JsonRecordSerializer())  # no pickles stored
+def run_name() -> str:
+    """A flow run is named after what it makes: the dataset directory and the model."""
+    from prefect.runtime import flow_run
+
+    params = _given(flow_run.parameters.get("params"), flow_run.parameters.get("params_file") or "params.yaml")
+    return f"{Path(params.output.dir).name}-from-{Path(params.model.path).name}"
+
+
+def _given(params: PipelineParams | dict | None, params_file: str) -> PipelineParams:
+    if params is None:
+        return load_params(params_file)
+    if params_file != "params.yaml":
+        raise ValueError(f"both the parameter form and params_file ({params_file}) were given; use one")
+    return PipelineParams.model_validate(params) if isinstance(params, dict) else params
+
+
+# the flow's result (a small dict) is stored as JSON, like every record this project lets Prefect keep
+@flow(name="extract-hidden-states", log_prints=True, flow_run_name=run_name, persist_result=True,
+      result_serializer=JsonRecordSerializer())
 def extract_hidden_states(params: PipelineParams | None = None, params_file: str = "params.yaml") -> dict:
-    """Extract EAGLE-3 training hidden states. Without `params`, reads `params_file`."""
-    return pipeline(params or load_params(params_file), CaptureEngine)
+    """Extract EAGLE-3 training hidden states. Fill in the form (its defaults are params.yaml's) or leave it
+    empty and name a parameters file in `params_file`; not both."""
+    return pipeline(_given(params, params_file), CaptureEngine)
 
 
 def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]) -> dict:
@@ -44,9 +65,12 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     with output_lock(Path(params.output.dir)), \
             stopping.on_stop(callback=report_stopped, describe=lambda: resume_hint(params)):
         with timed(stages, "prepare"):
-            prepare_task(params)
-        with timed(stages, "extract"), extraction_session(params, engine_factory) as session:
-            outcomes = compute_shards(session, params)
+            prepared = prepare_task(params)
+        progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
+        with timed(stages, "extract"), \
+                extraction_session(params, engine_factory, lambda state: update_progress_artifact(
+                    progress, 0.0, description=state)) as session:
+            outcomes = compute_shards(session, params, progress)
             extracted = finalize_dataset_task(session.key)
             lengths = [len(s.input_ids) for s in session.extraction.samples]
         if session.slot_wait_s:  # waiting for another run's GPU is not extraction time
@@ -56,25 +80,30 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
             summary = validate_task(params)
         exports = [export_task(params, fmt) for fmt in params.export.formats]
         published = publish_task(params) if params.publish.enabled else None
+    manifest_sha256 = sha256_file(Path(params.output.dir) / MANIFEST_FILE)
     report = render_markdown(dataset=params.output.dir, manifest=asdict(extracted), validation=summary,
-                             outcomes=outcomes, stage_seconds=stages, lengths=lengths)
+                             outcomes=outcomes, stage_seconds=stages, lengths=lengths, model=params.model.path,
+                             manifest_sha256=manifest_sha256)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
-    return {"dataset": params.output.dir, "extract": asdict(extracted), "validation": summary,
+    return {"dataset": params.output.dir, "model": params.model.path, "manifest_sha256": manifest_sha256,
+            "prepare": asdict(prepared), "extract": asdict(extracted), "validation": summary,
+            "validation_report": params.validate_.report,
             "exports": [asdict(e) for e in exports], "published": asdict(published) if published else None,
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes),
-            "repaired": sum(o.repaired for o in outcomes),
+            "repaired": sum(o.repaired for o in outcomes), "computed_tokens": sum(o.num_tokens for o in outcomes
+                                                                                  if o.computed),
             "stage_seconds": stages, "workers": sorted({o.worker for o in outcomes if o.computed and o.worker})}
 
 
-def compute_shards(session: Session, params: PipelineParams) -> list[ShardOutcome]:
+def compute_shards(session: Session, params: PipelineParams, progress) -> list[ShardOutcome]:
     """Every shard on disk: on engine workers when they serve this model and these settings (or on local ones
     started for the run, with `extract.data_parallel_size` > 1), else on the flow run's own engine."""
     extraction, logger = session.extraction, get_run_logger()
     if not uses_engine_workers(params, extraction.serving_key):
         logger.info("the flow run computes the shards on its own engine (extract.engine: %s; no engine worker "
                     "serves %s with these settings)", params.extract.engine, params.model.path)
-        return run_shards(session, params.output.prefect_results)
-    progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
+        return run_shards(session, params.output.prefect_results, progress)
+    update_progress_artifact(progress, 0.0, description="shards on disk (engine workers)")
     done = [ShardOutcome(s.name, r["sha256"], r["bytes"], len(r["samples"]),
                          sum(x["num_tokens"] for x in r["samples"]), False)
             for s in extraction.shards if (r := extraction.receipt(s)) is not None]
@@ -91,14 +120,13 @@ def compute_shards(session: Session, params: PipelineParams) -> list[ShardOutcom
     return outcomes
 
 
-def run_shards(session: Session, results_dir: str) -> list[ShardOutcome]:
+def run_shards(session: Session, results_dir: str, progress) -> list[ShardOutcome]:
     """One task per shard, in order; a shard whose output is missing or altered refreshes its cache entry. The
     shards are computed as one engine pass (`ShardStream`), so a shard's file is written while the next runs."""
     from tqdm import tqdm
 
     storage = results_storage(results_dir)
     names = session.shard_names
-    progress = create_progress_artifact(0.0, key="extraction-progress", description="shards on disk")
     outcomes = []
     for name in tqdm(names, desc="extract", unit="shard"):
         # run the task (not its cached result) when the file is missing or this run has just written it
@@ -149,10 +177,16 @@ def timed(stages: dict, name: str):
 
 
 def forward_library_logs() -> None:
-    """vLLM's and this project's logs into the flow-run logs (vLLM runs in this process)."""
+    """vLLM's and this project's INFO logs into the flow-run logs (vLLM runs in this process). vLLM would set up
+    its own logger when first imported, dropping the handler added here: it is told not to (before that import),
+    and its records then also reach the terminal through the root logger."""
+    import os
+
     from prefect.logging.handlers import APILogHandler
 
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     for name in ("vllm", "eagle_states"):
         logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)  # a deployment's flow-run process leaves the root logger at WARNING
         if not any(isinstance(h, APILogHandler) for h in logger.handlers):
             logger.addHandler(APILogHandler())

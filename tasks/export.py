@@ -7,7 +7,7 @@ from eagle_states.config import PipelineParams
 from tasks.retry import transient_only
 
 
-@task(name="export", retries=1, retry_delay_seconds=5, retry_condition_fn=transient_only,
-      task_run_name="export-{fmt}")
+@task(name="export", task_run_name="export-{fmt}", tags=["eagle-states", "export"], retries=1,
+      retry_delay_seconds=5, retry_condition_fn=transient_only)
 def export_task(params: PipelineParams, fmt: str) -> stages.ExportOutcome:
     return stages.export(params, fmt)

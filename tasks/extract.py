@@ -16,7 +16,8 @@ def _cache_key(context, parameters) -> str:
 
 
 @task(name="extract-shard", cache_key_fn=_cache_key, persist_result=True, result_serializer=JsonRecordSerializer(),
-      retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only, task_run_name="extract-{shard_name}")
+      retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only, task_run_name="extract-{shard_name}",
+      tags=["eagle-states", "extract"])
 def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> ShardOutcome:
     session = get_session(session_key)
     try:
@@ -26,6 +27,7 @@ def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> Sha
         raise
 
 
-@task(name="finalize-dataset", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
+@task(name="finalize-dataset", task_run_name="finalize-dataset", tags=["eagle-states", "extract"], retries=2,
+      retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
 def finalize_dataset_task(session_key: str) -> stages.ExtractOutcome:
     return stages.finalize(get_session(session_key).extraction)

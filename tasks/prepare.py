@@ -7,6 +7,7 @@ from eagle_states.config import PipelineParams
 from tasks.retry import transient_only
 
 
-@task(name="prepare", retries=1, retry_delay_seconds=5, retry_condition_fn=transient_only)
+@task(name="prepare", task_run_name="prepare", tags=["eagle-states", "prepare"], retries=1, retry_delay_seconds=5,
+      retry_condition_fn=transient_only)
 def prepare_task(params: PipelineParams) -> stages.PrepareOutcome:
     return stages.prepare(params)

@@ -6,7 +6,7 @@ from eagle_states import stages
 from eagle_states.config import PipelineParams
 
 
-@task(name="publish")
+@task(name="publish", task_run_name="publish", tags=["eagle-states", "publish"])
 def publish_task(params: PipelineParams) -> stages.PublishOutcome:
     outcome = stages.publish(params)
     if params.publish.push and not outcome.pushed:

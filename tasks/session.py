@@ -85,20 +85,27 @@ def hold_gpu_slot(guard: contextlib.ExitStack) -> float | None:
 
 
 def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextlib.ExitStack,
-             waits: list[float]):
+             waits: list[float], on_engine: Callable[[str], None]):
     def create(settings: EngineSettings) -> CaptureEngine:
         waited = hold_gpu_slot(guard)
         if waited is not None:
             waits.append(waited)
-        return factory(settings)
+        on_engine("loading the model")
+        started = time.monotonic()
+        engine = factory(settings)
+        log.info("model loaded in %.1f s: %s", time.monotonic() - started, settings.model)
+        on_engine("shards on disk")
+        return engine
     return create
 
 
 @contextlib.contextmanager
-def extraction_session(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]):
+def extraction_session(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine],
+                       on_engine: Callable[[str], None] = lambda state: None):
+    """`on_engine(state)` hears when the model starts loading and when it is loaded (the UI's progress)."""
     guard, waits = contextlib.ExitStack(), []
     extraction = stages.open_extraction(params)
-    engines = RestartingEngines(_guarded(engine_factory, guard, waits))
+    engines = RestartingEngines(_guarded(engine_factory, guard, waits, on_engine))
     session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines), guard, waits)
     _SESSIONS[session.key] = session
     try:

@@ -100,7 +100,8 @@ def shard_task(fn: Callable, serving_key: str, storage: str) -> Task:
     """`fn(params: dict, shard_name: str, shard_key: str) -> dict` as the shard task of `serving_key`.
     The task key is set, not derived from `fn` (Prefect derives it from the function's code object, which
     differs between the two sides and with the install path): one queue per engine kind on the server."""
-    made = task(fn, name=TASK_NAME, task_run_name="extract-{shard_name}", persist_result=True,
+    made = task(fn, name=TASK_NAME, task_run_name="extract-{shard_name}", tags=["eagle-states", "extract"],
+                persist_result=True,
                 result_storage=storage, result_serializer=JsonRecordSerializer(), cache_policy=NO_CACHE, retries=2,
                 retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
     made.task_key = task_key(serving_key)

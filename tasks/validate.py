@@ -9,7 +9,8 @@ from eagle_states.validate import ValidationFailed
 from tasks.retry import transient_only
 
 
-@task(name="validate", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
+@task(name="validate", task_run_name="validate", tags=["eagle-states", "validate"], retries=2,
+      retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
 def validate_task(params: PipelineParams) -> dict:
     result = stages.validate(params)
     if not result.valid:

@@ -102,6 +102,13 @@ def claim_path(dataset_dir: Path, name: str) -> Path:
     return Path(dataset_dir) / CLAIMS_DIR / f"{name}.json"
 
 
+def validation_record_path(dataset_dir: Path) -> Path:
+    """Where a dataset's validation state lives: beside it (the dataset's own bytes stay the writer's), named after
+    it, so that validating one dataset never changes what is known of another."""
+    dataset_dir = Path(dataset_dir).resolve()
+    return dataset_dir.parent / f".{dataset_dir.name}.validation.json"
+
+
 def key_input_ids(sample_id: str) -> str:
     return f"{sample_id}/input_ids"
 

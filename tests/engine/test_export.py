@@ -30,7 +30,7 @@ def test_speculators_reads_our_export_with_its_own_loader(dataset, tmp_path):
     from speculators.train.data import ArrowDataset, CollateFn
 
     path, report = dataset
-    info = export_dataset(path, tmp_path / "spec", "speculators", report, progress=False)
+    info = export_dataset(path, tmp_path / "spec", "speculators", progress=False)
     assert info["manifest_sha256"] == sha256_file(path / "manifest.json")
     ours = Dataset(path)
     theirs = ArrowDataset(max_len=512, datapath=tmp_path / "spec", on_missing="raise",
@@ -63,7 +63,7 @@ def load_specforge_file(path):
 def test_round_trip(dataset, tmp_path, fmt):
     path, report = dataset
     out = tmp_path / fmt
-    export_dataset(path, out, fmt, report, progress=False)
+    export_dataset(path, out, fmt, progress=False)
     ours = Dataset(path)
     for i, sid in enumerate(ours.sample_ids):
         sample = ours[sid]
@@ -84,25 +84,26 @@ def test_round_trip(dataset, tmp_path, fmt):
 def test_an_interrupted_export_resumes(dataset, tmp_path):
     path, report = dataset
     out = tmp_path / "legacy"
-    export_dataset(path, out, "speculators-legacy", report, progress=False)
+    export_dataset(path, out, "speculators-legacy", progress=False)
     (out / "data_2.pt").unlink()
     (out / "data_5.pt").unlink()
     (out / "export.json").unlink()  # as if killed before the end
-    assert export_dataset(path, out, "speculators-legacy", report, progress=False)["written_this_run"] == 2
+    assert export_dataset(path, out, "speculators-legacy", progress=False)["written_this_run"] == 2
 
 
 def test_refusals(dataset, tmp_path, llama_model):
     path, report = dataset
-    with pytest.raises(ExportRefused, match="has not passed validation"):
-        export_dataset(path, tmp_path / "x", "speculators", tmp_path / "no-report.json", progress=False)
     source = write_prompt_jsonl(tmp_path / "p.jsonl", random_prompts([5, 7], 300))
     params = extraction_params(llama_model, source, tmp_path / "no-final", layer_ids=[0, 2, 4], dtype="float32",
                                max_model_len=64, gpu_memory_utilization=0.2)
     run_extraction(Extraction(params), progress=False)
-    assert validate_dataset(tmp_path / "no-final", report=tmp_path / "v.json").valid
+    with pytest.raises(ExportRefused, match="has not passed validation"):
+        export_dataset(tmp_path / "no-final", tmp_path / "x", "speculators", progress=False)
+    # validated with the same report path as the main dataset: each dataset keeps its own validation state
+    assert validate_dataset(tmp_path / "no-final", report=report).valid
+    export_dataset(path, tmp_path / "main", "speculators-legacy", progress=False)
     for fmt in ("speculators", "specforge"):
         with pytest.raises(ExportRefused, match="final state"):
-            export_dataset(tmp_path / "no-final", tmp_path / fmt, fmt, tmp_path / "v.json", progress=False)
-    export_dataset(tmp_path / "no-final", tmp_path / "legacy", "speculators-legacy", tmp_path / "v.json",
-                   progress=False)
+            export_dataset(tmp_path / "no-final", tmp_path / fmt, fmt, progress=False)
+    export_dataset(tmp_path / "no-final", tmp_path / "legacy", "speculators-legacy", progress=False)
     assert json.loads((tmp_path / "legacy" / "export.json").read_text())["layer_ids"] == [0, 2, 4]

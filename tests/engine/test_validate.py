@@ -155,3 +155,20 @@ def test_a_token_id_outside_the_vocabulary_and_too_few_loss_tokens(copy):
 def test_cannot_run_is_exit_2(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no params.yaml here: config's defaults
     assert cli(["validate", str(tmp_path / "nothing"), "--report", str(tmp_path / "v.json")]) == 2
+
+
+def test_a_valid_dataset_is_not_read_again_until_one_of_its_files_changes(copy):
+    import os
+
+    assert validate_dataset(copy).summary["reused"] is False
+    again = validate_dataset(copy)
+    assert again.valid and again.summary["reused"] is True
+    assert validate_dataset(copy, min_loss_tokens=2).summary["reused"] is False, "other settings: validated again"
+    shard = shard_path(copy, "shard-00001")
+    with open(shard, "r+b") as f:  # a byte changed behind the manifest's back: the write moves the file's time
+        f.seek(shard.stat().st_size - 3)
+        f.write(b"\xff")
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    result = validate_dataset(copy)
+    assert not result.valid and result.summary["reused"] is False

@@ -75,7 +75,7 @@ class Cluster:
         home.mkdir(exist_ok=True)
         params = write_params(home, "params", params_for(self.model, self.tmp, run))
         env = {**self.env, "PREFECT_HOME": str(home / "prefect")}
-        return [str(BIN / "eagle-states"), "run", "--params", str(params)], {"cwd": home, "env": env}
+        return [str(BIN / "eagle-states"), "run", "--json", "--params", str(params)], {"cwd": home, "env": env}
 
     def run(self, run: str) -> tuple[dict, str]:
         cmd, kw = self.coordinator(run)

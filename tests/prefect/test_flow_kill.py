@@ -37,7 +37,8 @@ def test_killed_run_resumes_from_finished_shards(tmp_path, llama_model):
     assert 3 <= finished, "the run got far enough to have finished shards"
     assert not (tmp_path / "work" / "dataset" / "manifest.json").exists(), "an unfinished dataset has no manifest"
 
-    rerun = subprocess.run([EAGLE_STATES, "run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run([EAGLE_STATES, "run", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
     total = len(json.loads((tmp_path / "work" / "dataset" / "manifest.json").read_text())["shards"])
@@ -107,7 +108,7 @@ def test_signal_stops_within_seconds_and_writes_nothing_after_it(tmp_path, llama
 
     if command == "run" and signum == signal.SIGINT:  # what was kept is used: the rerun resumes and is valid
         kept = len(list(receipts.glob("*.json")))
-        rerun = subprocess.run([EAGLE_STATES, "run"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        rerun = subprocess.run([EAGLE_STATES, "run", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
                                timeout=600)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         summary = json.loads(rerun.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ def test_a_crashed_holders_slot_frees_within_the_lease_and_the_wait_is_logged(tm
         holder = subprocess.Popen([sys.executable, "-c", HOLD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"
         log = open(tmp_path / "run.log", "w")
-        run = subprocess.Popen([str(BIN / "eagle-states"), "run"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        run = subprocess.Popen([str(BIN / "eagle-states"), "run", "--json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=log, text=True)
         deadline = time.time() + 300
         while "waiting for a free 'gpu-engine' slot" not in (tmp_path / "run.log").read_text():
