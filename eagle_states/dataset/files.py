@@ -187,8 +187,13 @@ def atomic_write_bytes(path: Path, data: bytes | memoryview, durable: bool = Tru
         f.write(data)
 
 
+def json_bytes(obj) -> bytes:
+    """The project's JSON files as bytes: indented, keys sorted (the same object gives the same bytes)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
 def atomic_write_json(path: Path, obj, durable: bool = True) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), durable)
+    atomic_write_bytes(path, json_bytes(obj), durable)
 
 
 def fsync_path(path: Path) -> None:

@@ -20,7 +20,8 @@ from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings, ShardJob, ShardResult
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
-from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, sha256_file
+from eagle_states.dataset.files import (atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, json_bytes,
+                                        sha256_file)
 from eagle_states.dataset.identity import model_context, model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
@@ -271,7 +272,7 @@ class Extraction(CaptureConfig):
         index = index[layout.INDEX_COLUMNS]
         buffer = io.BytesIO()
         index.to_parquet(buffer, index=False)
-        atomic_write_bytes(self.out / layout.INDEX_FILE, buffer.getvalue())
+        _write_if_changed(self.out / layout.INDEX_FILE, buffer.getvalue())
         manifest = build_manifest(
             layers=self.layers, model=self.model, dtype=self.dtype,
             shards=[{"name": r["shard"], "file": f"{layout.SHARDS_DIR}/{r['shard']}.safetensors",
@@ -280,8 +281,15 @@ class Extraction(CaptureConfig):
             num_samples=len(index), num_tokens=int(index["num_tokens"].sum()),
             num_loss_tokens=int(index["num_loss_tokens"].sum()), input_sha256=input_hash(self.samples),
             versions=versions(), extra={"config_hash": self.config_hash, "engine": self.byte_settings})
-        atomic_write_json(self.out / layout.MANIFEST_FILE, manifest)
+        _write_if_changed(self.out / layout.MANIFEST_FILE, json_bytes(manifest))
         return manifest
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """A finished dataset finalized again keeps its files untouched (times included): what validated it, and DVC,
+    see that nothing changed."""
+    if not path.exists() or path.read_bytes() != data:
+        atomic_write_bytes(path, data)
 
 
 def kept_shards_line(out: str | Path) -> str:

@@ -19,7 +19,6 @@ def test_a_run_is_quiet_and_ends_with_a_summary(tmp_path, llama_model):
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["model"] = {"path": str(llama_model), "build_demo_if_missing": False}
     params["data"] = {"path": "conversations.jsonl", "format": "auto", "build_demo_if_missing": False}
-    params["prepare"]["limit"] = 12
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     rows = [json.dumps(row) for row in demo_conversations(12)] + [json.dumps({"conversations": []})]
     (tmp_path / "conversations.jsonl").write_text("\n".join(rows) + "\n")
