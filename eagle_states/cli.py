@@ -141,7 +141,10 @@ def cmd_run(args) -> int:
     from eagle_states.dataset.output_lock import output_lock
     from eagle_states.run_report import render_text
 
-    params = _load(args, **{"output.dir": args.out})
+    # a run into another directory keeps its working files beside it, not in the default dataset's
+    beside = {"prepare.out": f"{args.out}.prepared", "validate.report": f"{args.out}.validation.json"} \
+        if args.out else {}
+    params = _load(args, **{"output.dir": args.out, **beside})
     stages.ensure_inputs(params)  # before the Prefect server starts: a wrong path fails in a second
     with output_lock(Path(params.output.dir)):  # a second run on this output is refused before it starts anything
         from flows.extract_hidden_states import extract_hidden_states
@@ -247,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     params_flag(p)
     p.add_argument("--data", help="conversations file (default: data.path)")
     model_flag(p)
-    p.add_argument("--out", help="dataset directory (default: output.dir)")
+    p.add_argument("--out", help="dataset directory; its prepared input and validation report go beside it, "
+                   "OUT.prepared/ and OUT.validation.json (default: output.dir, prepare.out, validate.report)")
     layer_flags(p)
     overwrite_flag(p)
     p.add_argument("--json", action="store_true", help="end with one JSON line instead of the summary")

@@ -191,8 +191,7 @@ def info(dataset_dir: Path, exports_dir: Path | None = None) -> dict:
     dataset_dir = Path(dataset_dir)
     manifest = read_manifest(dataset_dir)
     manifest_sha = sha256_file(dataset_dir / layout.MANIFEST_FILE)
-    record_path = layout.validation_record_path(dataset_dir)
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    record = validating.read_record(dataset_dir)
     if record is None:
         validation = "not validated"
     elif record["key"]["manifest_sha256"] != manifest_sha:

@@ -261,7 +261,7 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
     dataset_dir = Path(dataset_dir)
     manifest = read_manifest(dataset_dir)
     key = _record_key(dataset_dir, manifest, prepared_dir, min_loss_tokens)
-    record = _read_record(dataset_dir)
+    record = read_record(dataset_dir)
     if reuse and record and record.get("key") == key and record["summary"].get("valid"):
         summary = {**record["summary"], "reused": True, "seconds": round(time.time() - started, 3)}
         _write_report(report, summary, None)
@@ -326,7 +326,8 @@ def _record_key(dataset_dir: Path, manifest: dict, prepared_dir: Path | None, mi
             "prepared": sha256_file(prepared) if prepared is not None and prepared.exists() else None}
 
 
-def _read_record(dataset_dir: Path) -> dict | None:
+def read_record(dataset_dir: Path) -> dict | None:
+    """The dataset's validation record ({key, summary}), or None where it has none."""
     try:
         return json.loads(layout.validation_record_path(dataset_dir).read_text())
     except (OSError, ValueError):
@@ -335,7 +336,7 @@ def _read_record(dataset_dir: Path) -> dict | None:
 
 def is_validated(dataset_dir: Path) -> bool:
     """True if the dataset's own validation record says it passed and its manifest is unchanged since."""
-    record, manifest = _read_record(Path(dataset_dir)), Path(dataset_dir) / layout.MANIFEST_FILE
+    record, manifest = read_record(Path(dataset_dir)), Path(dataset_dir) / layout.MANIFEST_FILE
     if not record or not manifest.exists():
         return False
     return bool(record["summary"].get("valid")) and record["key"]["manifest_sha256"] == sha256_file(manifest)
