@@ -34,6 +34,7 @@ def test_dvc_extract_stage_depends_on_exactly_the_byte_deciding_settings():
     ({"prepare.max_length": 4096}, "must be below extract.max_model_len"),
     ({"extract.layer_ids": "1,2,x"}, "give 'eagle3' or integers separated by commas"),
     ({"extract.write_thread": 2}, "Extra inputs are not permitted"),
+    ({"prepare.min_loss_tokens": 0, "validate.min_loss_tokens": 2}, "would fail validation after the GPU work"),
 ])
 def test_settings_that_do_not_go_together_are_refused_when_loaded(overrides, message):
     with pytest.raises(ValidationError, match=message):
@@ -42,6 +43,9 @@ def test_settings_that_do_not_go_together_are_refused_when_loaded(overrides, mes
 
 def test_layer_ids_are_parsed_from_a_string_and_resolved_once():
     assert PipelineParams().override({"extract.layer_ids": "2, 4,6"}).extract.layer_ids == [2, 4, 6]
+    # Prefect's parameter form is built from the JSON schema: it must offer the string the CLI takes
+    forms = PipelineParams.model_json_schema()["$defs"]["ExtractParams"]["properties"]["layer_ids"]["anyOf"]
+    assert any(f.get("type") == "string" and "pattern" in f for f in forms)
     layers = LayerSelection.resolve("eagle3", 8)
     assert layers.layer_ids == (2, 4, 5, 8) and layers.layer_id(3) == 8 and layers.ends_with_final_state()
     assert not LayerSelection.resolve([1, 2], 8).ends_with_final_state()
