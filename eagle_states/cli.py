@@ -377,10 +377,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# the project's code: its INFO lines reach the terminal, whichever logger (its own, or a Prefect run logger) they use
+PROJECT_DIRS = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" for name in ("eagle_states", "tasks",
+                                                                                           "flows"))
+
+
 def quiet_terminal(record: logging.LogRecord) -> bool:
     """What the terminal shows without -v: warnings and errors, and this project's own INFO lines (the Prefect
     API still gets every record: this filters one handler, not the loggers)."""
-    return record.levelno >= logging.WARNING or record.name.startswith("eagle_states")
+    return record.levelno >= logging.WARNING or record.pathname.startswith(PROJECT_DIRS)
 
 
 def version_line() -> str:
