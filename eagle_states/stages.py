@@ -154,8 +154,7 @@ def extract(params: PipelineParams, progress: bool = False, engines: EngineHolde
     workers fed through Prefect (`tasks.local_workers.uses_engine_workers` decides). Holds the output's lock."""
     with output_lock(Path(params.output.dir)):
         extraction = open_extraction(params)
-        with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir) + " Run the same command again "
-                              "to resume: finished shards are not computed again."):
+        with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir)):
             return _extract(params, extraction, progress, engines)
 
 

@@ -20,6 +20,7 @@ from eagle_states.config import PipelineParams, load_params
 from eagle_states.dataset.files import sha256_file
 from eagle_states.dataset.layout import MANIFEST_FILE
 from eagle_states.dataset.output_lock import output_lock
+from eagle_states.extraction.driver import kept_shards_line
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
 from tasks.export import export_task
@@ -63,7 +64,7 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     stopping.install()  # again: Prefect's flow engine has put its own SIGTERM handler in place
     stages: dict[str, float] = {}
     with output_lock(Path(params.output.dir)), \
-            stopping.on_stop(callback=report_stopped, describe=lambda: resume_hint(params)):
+            stopping.on_stop(callback=report_stopped, describe=lambda: kept_shards_line(params.output.dir)):
         with timed(stages, "prepare"):
             prepared = prepare_task(params)
         progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
@@ -159,12 +160,6 @@ def report_stopped(signum: int) -> None:
         state = Cancelled(message=f"cancelled ({name})") if current and current.name == "Cancelling" else \
             Crashed(message=f"stopped by {name}")
         client.set_flow_run_state(context.flow_run.id, state, force=True)
-
-
-def resume_hint(params: PipelineParams) -> str:
-    from eagle_states.extraction.driver import kept_shards_line
-
-    return kept_shards_line(params.output.dir) + " Run it again to resume: finished shards are not computed again."
 
 
 @contextmanager

@@ -293,10 +293,11 @@ def _write_if_changed(path: Path, data: bytes) -> None:
 
 
 def kept_shards_line(out: str | Path) -> str:
-    """What a stopped run leaves: the shards with a receipt (each one complete and checked on the next run)."""
+    """What a stopped run leaves (the shards with a receipt, each checked on the next run) and how to resume."""
     receipts = Path(out) / layout.RECEIPTS_DIR
     kept = len([p for p in receipts.glob("*.json") if not p.name.startswith(".")]) if receipts.is_dir() else 0
-    return f"{kept} finished shard{'s' if kept != 1 else ''} kept in {out}."
+    return (f"{kept} finished shard{'s' if kept != 1 else ''} kept in {out}. Run the same command again to resume: "
+            "finished shards are not computed again.")
 
 
 def run_extraction(extraction: Extraction, progress: bool = True, engines: EngineHolder | None = None) -> dict:
