@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from eagle_states import stopping
-from eagle_states.config import ExtractParams, PipelineParams, load_params
+from eagle_states.config import CODEC_NAMES, ExtractParams, PipelineParams, load_params
 
 log = logging.getLogger("eagle_states.cli")
 
@@ -30,7 +30,8 @@ def _load(args, **overrides) -> PipelineParams:
         shared["data.path"], shared["data.build_demo_if_missing"] = args.data, False
     if getattr(args, "overwrite", False):
         shared["output.overwrite"] = True
-    for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype")):
+    for flag, key in (("input", "extract.input"), ("layer_ids", "extract.layer_ids"), ("dtype", "extract.dtype"),
+                      ("codec", "extract.codec")):
         shared[key] = getattr(args, flag, None)
     return load_params(args.params, {**shared, **overrides})
 
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--layer-ids", help="comma-separated layer ids, or 'eagle3' = [2, N//2, N-3, N] "
                                            "(default: extract.layer_ids)")
         p.add_argument("--dtype", choices=DTYPES, help="default: extract.dtype")
+        p.add_argument("--codec", choices=CODEC_NAMES, help="lossless compression of the states on disk "
+                                                       "(default: extract.codec)")
 
     def overwrite_flag(p):
         p.add_argument("--overwrite", action="store_true", help="replace a finished dataset in the output directory "

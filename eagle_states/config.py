@@ -12,14 +12,18 @@ from typing import Annotated, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from eagle_states.dataset.codec import NAMES as CODEC_NAMES
+
 DEFAULT_PARAMS_FILE = Path("params.yaml")
 
 # What decides a shard's bytes besides its samples, the model and the capture code. The batching settings are
 # here because a step's composition changes the float results (to the bit); `max_model_len` (which rows are
 # accepted), `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
-# `data_parallel_size` and `gpu_ids` change where and how fast, not what.
+# `data_parallel_size`, `gpu_ids` and `codec_threads` change where and how fast, not what. The codec and its
+# level decide the stored bytes (not the states they decode to).
 SHARD_BYTES_SETTINGS = ("extract.layer_ids", "extract.dtype", "extract.shard_max_tokens",
-                        "extract.max_num_batched_tokens", "extract.max_num_seqs", "extract.tensor_parallel_size")
+                        "extract.max_num_batched_tokens", "extract.max_num_seqs", "extract.tensor_parallel_size",
+                        "extract.codec", "extract.codec_level")
 
 
 class _Section(BaseModel):
@@ -69,6 +73,12 @@ class ExtractParams(_Section):
                             "in-process: always the flow run's own engine")
     gpu_ids: Optional[list[int]] = Field(None, description="GPUs to use, tensor_parallel_size per engine")
     write_threads: int = Field(4, ge=1, description="shard writer threads (4 kept the H200 disk busiest)")
+    codec: Literal[CODEC_NAMES] = Field(
+        "none", description="lossless compression of the hidden states in the shard files: Blosc2's byte shuffle, "
+                            "then zstd or lz4 (bench/RESULTS.md has the ratios and speeds)")
+    codec_level: int = Field(1, ge=1, le=9, description="the entropy coder's level (1: fastest)")
+    codec_threads: int = Field(2, ge=1, description="compression threads per shard writer (at most write_threads x "
+                                                    "codec_threads cores compress)")
 
     @field_validator("layer_ids", mode="before")
     @classmethod

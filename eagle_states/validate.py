@@ -1,7 +1,8 @@
 """Schema validation of a dataset, read from its files rather than from what the writer believed.
 
-Tables are built from safetensors headers (shapes, dtypes: no tensor loads) and from one streaming pass over the
-tensors (NaN/Inf, token ids, loss masks), shard by shard with one tensor in memory at a time; then pandera
+Tables are built from safetensors headers (shapes, dtypes: no tensor loads; a compressed tensor's logical dtype and
+shape are in the header's metadata) and from one streaming pass over the tensors (NaN/Inf, token ids, loss masks;
+compressed ones CRC-checked and decoded), shard by shard with one tensor in memory at a time; then pandera
 schemas that encode the data contract check them lazily, so every failure is reported at once.
 """
 
@@ -18,11 +19,12 @@ import pandera.pandas as pa
 from pandera.typing import Series
 
 from eagle_states.dataset import layout
+from eagle_states.dataset.codec import CorruptTensorError
 from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, hash_files, hash_json, sha256_file
 from eagle_states.dataset.layout import LAYER_SEMANTICS
 from eagle_states.dataset.manifest import layer_selection, read_manifest
 from eagle_states.dataset.prepared import SAMPLES_FILE, read_sample_ids
-from eagle_states.dataset.shard_file import CODE_OF_NAME, read_header
+from eagle_states.dataset.shard_file import CODE_OF_NAME, ShardReader
 
 log = logging.getLogger(__name__)
 FAILURES_SUFFIX = "_failures.csv"
@@ -58,8 +60,8 @@ class Tables:
 def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str], content: bool = True) -> Tables:
     """`expected_ids`: sample id -> where it is expected (the index, the prepared input). Hidden-state rows carry
     their `slot` (from the key) and the `layer_id` the manifest puts there (-1 for a slot it does not have)."""
+    import safetensors
     import torch
-    from safetensors import safe_open
 
     dataset_dir = Path(dataset_dir)
     layers = layer_selection(manifest)
@@ -68,21 +70,21 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
     for shard in manifest["shards"]:
         path = dataset_dir / shard["file"]
         row = {"shard": shard["name"], "exists": path.exists(), "readable": False, "sha256_matches": False,
-               "error": ""}
+               "codec": "", "error": ""}
         shard_rows.append(row)
         if not row["exists"]:
             row["error"] = "missing"
             continue
         try:
-            header = read_header(path)
-            row["readable"] = True
-        except (ValueError, json.JSONDecodeError) as exc:
+            f = ShardReader(path)  # the header, checked against the file's size: no tensor loads
+            row["readable"], row["codec"] = True, f.codec.get("name")
+        except (ValueError, json.JSONDecodeError, safetensors.SafetensorError) as exc:
             row["error"] = str(exc)
             continue
         row["sha256_matches"] = sha256_file(path) == shard["sha256"]
         bytes_read += path.stat().st_size
-        f = safe_open(path, framework="pt") if content else None
-        for key, info in header.items():
+        for key in f.keys():
+            info = f.info(key)  # as captured: a compressed tensor's logical dtype and shape, from the header
             parsed = layout.parse_key(key)
             if parsed is None:
                 stray_keys.append({"shard": shard["name"], "key": key, "shape": str(info["shape"])})
@@ -98,23 +100,26 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
                          "layer_id": layer_id,
                          "ndim": len(shape), "tokens": shape[0] if shape else -1,
                          "hidden": shape[1] if len(shape) > 1 else -1, "dtype": info["dtype"],
-                         "nan": 0, "inf": 0}
-                if f is not None:
-                    t = f.get_tensor(key)
-                    layer["nan"] = int(torch.isnan(t).sum())
-                    layer["inf"] = int(torch.isinf(t).sum())
+                         "decodes": True, "nan": 0, "inf": 0}
+                if content:
+                    try:
+                        t = f.get_tensor(key)
+                        layer["nan"] = int(torch.isnan(t).sum())
+                        layer["inf"] = int(torch.isinf(t).sum())
+                    except CorruptTensorError:
+                        layer["decodes"] = False
                 layer_rows.append(layer)
                 sample["num_slots"] += 1
                 sample["max_slot"] = max(sample["max_slot"], parsed.slot)
             elif parsed.field == "input_ids":
                 sample["input_ids_len"] = shape[0] if len(shape) == 1 else -1
                 sample["ids_dtype"] = info["dtype"]
-                if f is not None:
+                if content:
                     t = f.get_tensor(key)
                     sample["ids_min"], sample["ids_max"] = (int(t.min()), int(t.max())) if t.numel() else (0, 0)
             else:
                 sample["loss_mask_len"] = shape[0] if len(shape) == 1 else -1
-                if f is not None:
+                if content:
                     t = f.get_tensor(key)
                     sample["loss_tokens"] = int(t.sum())
                     sample["mask_values_ok"] = bool(((t == 0) | (t == 1)).all())
@@ -126,7 +131,7 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
     presence["occurrences"] = presence["sample_id"].map(counts).fillna(0).astype(int)
     presence["expected"] = presence["sample_id"].isin(set(expected_ids))
     states = pd.DataFrame(layer_rows, columns=["sample_id", "shard", "slot", "layer_id", "ndim", "tokens", "hidden",
-                                               "dtype", "nan", "inf"])
+                                               "dtype", "decodes", "nan", "inf"])
     states = states.merge(samples[["sample_id", "shard", "input_ids_len"]], on=["sample_id", "shard"], how="left")
     return Tables(pd.DataFrame(shard_rows), samples, presence, states,
                   pd.DataFrame(stray_keys, columns=["shard", "key", "shape"]), bytes_read)
@@ -144,6 +149,7 @@ def schemas(manifest: dict, min_loss_tokens: int):
     want_slots = len(manifest["layer_ids"])
     want_hidden = manifest["hidden_size"]
     want_dtype = CODE_OF_NAME[manifest["dtype"]]
+    want_codec = manifest.get("codec", {"name": "none"})["name"]
     vocab = manifest["model"]["vocab_size"]
 
     class ShardSchema(_Coerced):
@@ -151,6 +157,7 @@ def schemas(manifest: dict, min_loss_tokens: int):
         exists: Series[bool] = pa.Field(eq=True)
         readable: Series[bool] = pa.Field(eq=True)
         sha256_matches: Series[bool] = pa.Field(eq=True)
+        codec: Series[str] = pa.Field(eq=want_codec)  # the manifest's codec stored every shard
 
     class SampleSchema(_Coerced):
         sample_id: Series[str]
@@ -178,6 +185,7 @@ def schemas(manifest: dict, min_loss_tokens: int):
         ndim: Series[int] = pa.Field(eq=2)
         hidden: Series[int] = pa.Field(eq=want_hidden)
         dtype: Series[str] = pa.Field(eq=want_dtype)
+        decodes: Series[bool] = pa.Field(eq=True)  # a compressed tensor's stored bytes pass their CRC and decode
         nan: Series[int] = pa.Field(eq=0)
         inf: Series[int] = pa.Field(eq=0)
 
@@ -291,6 +299,7 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         "valid": failures_frame.empty, "samples": int(tables.samples["sample_id"].nunique()),
         "tokens": int(tables.layers.drop_duplicates("sample_id")["tokens"].clip(lower=0).sum()),
         "bytes": int(tables.bytes_read), "layers": manifest["layer_ids"], "dtype": manifest["dtype"],
+        "codec": manifest.get("codec", {"name": "none"})["name"],
         "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
         "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
         "dataset_manifest_sha256": key["manifest_sha256"], "reused": False}
@@ -312,7 +321,7 @@ def _write_report(report: Path | None, summary: dict, failures: pd.DataFrame | N
 def validator_version() -> str:
     """The code that decides a verdict: this module and the contract it checks."""
     package = Path(layout.__file__).resolve().parent.parent
-    return hash_files([package / "validate.py", package / "dataset" / "layout.py",
+    return hash_files([package / "validate.py", package / "dataset" / "layout.py", package / "dataset" / "codec.py",
                        package / "dataset" / "shard_file.py", package / "dataset" / "manifest.py"], root=package)[:16]
 
 

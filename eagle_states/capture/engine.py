@@ -18,6 +18,7 @@ import numpy as np
 
 from eagle_states.capture import protocol as p
 from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError
+from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.layout import shard_sample_order
 from eagle_states.dataset.prepared import InputSample
 
@@ -51,6 +52,7 @@ class ShardJob:
     name: str
     path: Path
     samples: list[InputSample]
+    codec: Codec = Codec()
 
 
 @dataclass
@@ -176,7 +178,8 @@ class CaptureEngine:
                 samples = self._in_file_order(job)
                 self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
                                        num_tokens=[len(s.input_ids) for s in samples],
-                                       loss_masks=[s.loss_mask for s in samples]))
+                                       loss_masks=[s.loss_mask for s in samples],
+                                       codec=job.codec))
                 self._queued[str(job.path)] = job
                 self._reports[str(job.path)] = {}
                 for sample in samples:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle_states.dataset.codec import Codec
+
 ENTRY_POINT = "eagle_capture_call"  # the worker extension's one method the driver calls
 SAMPLE_ID_KEY = "eagle_states_sample_id"  # SamplingParams.extra_args key: the request's sample
 
@@ -44,6 +46,7 @@ class BeginShard(Message):
     sample_ids: list[str]
     num_tokens: list[int]
     loss_masks: list[list[int]]
+    codec: Codec  # how its hidden states are stored
 
 
 class EndShard(Message):

@@ -39,6 +39,7 @@ from eagle_states.capture import protocol as p
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError, UnsupportedModelError, UnsupportedRunnerError
 from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
+from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
 
 
@@ -391,11 +392,12 @@ class _Capture:
                     self.complete[sample_id] = sample
                     self.sample_ready.notify_all()
 
-    def _begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int], loss_masks: list[list[int]]):
+    def _begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int], loss_masks: list[list[int]],
+                     codec: Codec):
         """A shard's plan, queued before its steps: its file is written sample by sample as they are captured,
         so that at a run's end only the last step's samples are left to write."""
         shard = {"samples": sample_ids, "num_tokens": dict(zip(sample_ids, num_tokens)),
-                 "loss_masks": dict(zip(sample_ids, loss_masks)), "future": None}
+                 "loss_masks": dict(zip(sample_ids, loss_masks)), "codec": codec, "future": None}
         if self.writer:
             self.write_slots.acquire()  # at most write_threads + 1 shards held for writing
             shard["future"] = self.pool.submit(self._write_shard, path, shard)
@@ -433,7 +435,7 @@ class _Capture:
                 for sid in order:
                     specs.update(sample_tensor_specs(sid, shard["num_tokens"][sid], len(self.layer_ids),
                                                               like.shape[-1], like.dtype))
-                with ShardFileWriter(Path(path), specs) as out:
+                with ShardFileWriter(Path(path), specs, shard["codec"]) as out:
                     for sid in order:
                         sample = first if sid == order[0] else self._take_complete(sid)
                         try:
@@ -472,7 +474,7 @@ class _Capture:
         """Queue a shard's plan before its requests run; returns at once."""
         self._raise_failure()
         self._start_copy()
-        self.work.put(("begin", call.path, call.sample_ids, call.num_tokens, call.loss_masks))
+        self.work.put(("begin", call.path, call.sample_ids, call.num_tokens, call.loss_masks, call.codec))
         return p.Queued(path=call.path)
 
     def end_shard(self, call: p.EndShard) -> p.Queued:

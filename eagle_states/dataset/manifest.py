@@ -10,9 +10,10 @@ from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, LAYER_SEMAN
 
 
 def build_manifest(*, layers: LayerSelection, model: dict, dtype: str, shards: list[dict], num_samples: int,
-                   num_tokens: int, num_loss_tokens: int, input_sha256: str, versions: dict,
+                   num_tokens: int, num_loss_tokens: int, input_sha256: str, codec: dict, versions: dict,
                    extra: dict | None = None) -> dict:
-    """`shards`: [{name, file, sha256, bytes, num_samples, num_tokens}], in shard order."""
+    """`shards`: [{name, file, sha256, bytes, num_samples, num_tokens}], in shard order; `codec`: how the hidden
+    states are stored (`codec.Codec.record()`; a dataset from before codecs has none, which reads as "none")."""
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -22,6 +23,7 @@ def build_manifest(*, layers: LayerSelection, model: dict, dtype: str, shards: l
         "model": model,
         "hidden_size": model["hidden_size"],
         "dtype": dtype,
+        "codec": codec,
         "num_samples": num_samples,
         "num_tokens": num_tokens,
         "num_loss_tokens": num_loss_tokens,

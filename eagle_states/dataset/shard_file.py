@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_states.dataset.codec import Codec, CorruptTensorError, decode, encoded_entry, header_metadata, read_header_metadata
 from eagle_states.dataset.files import atomic_file
 from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, key_hidden_state, key_input_ids, key_loss_mask
 
@@ -22,6 +23,7 @@ DTYPES = {torch.float32: ("F32", "float32"), torch.bfloat16: ("BF16", "bfloat16"
           torch.int32: ("I32", "int32"), torch.int64: ("I64", "int64"), torch.uint8: ("U8", "uint8")}
 CODE_OF_NAME = {name: code for code, name in DTYPES.values()}  # "bfloat16" -> "BF16"
 DTYPE_OF_NAME = {name: dtype for dtype, (_, name) in DTYPES.items()}  # "bfloat16" -> torch.bfloat16
+DTYPE_OF_CODE = {code: dtype for dtype, (code, _) in DTYPES.items()}  # "BF16" -> torch.bfloat16
 
 
 def shard_data_bytes(token_counts: list[int], num_slots: int, hidden_size: int, dtype: torch.dtype) -> int:
@@ -48,30 +50,51 @@ class ShardFileWriter:
     where the filesystem allows; hashing and writing both release the GIL, so a shard takes as long as the slower
     of the two). Atomic: temp file, fsync, rename; an exception
     or an incomplete shard leaves nothing under `path`. After the `with` block: `sha256` and `size`.
+
+    With a codec (`codec.Codec`), each hidden state is compressed in the calling (writer) thread as it arrives and
+    kept compressed until the shard's last tensor; then the header, which needs the compressed sizes, and the
+    tensors are written the same way.
     """
 
-    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]]):
-        self.path, self.order = Path(path), sorted(specs)
-        header, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, 0
-        self.nbytes = {}
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec()):
+        self.path, self.order, self.codec = Path(path), sorted(specs), codec
+        self.specs = specs
+        self.nbytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
+        self.dtypes = {name: specs[name][0] for name in self.order}
+        self.size: int | None = None  # set with the header
+        self.sha256: str | None = None
+        self.header = None if codec.enabled else self._header({name: None for name in self.order})
+        # with a codec, the stored sizes are known only once compressed: the tensors are kept (compressed) until
+        # the last one, then the header and they are written
+        self._stored: dict[str, bytes | list] = {}
+
+    def _header(self, stored: dict[str, bytes | None]) -> bytes:
+        """The safetensors header: each tensor as stored (a compressed one as U8 bytes, its logical dtype and
+        shape in the metadata), in key order."""
+        header, encoded, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, {}, 0
         for name in self.order:
-            dtype, shape = specs[name]
-            self.nbytes[name] = size = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": DTYPES[dtype][0], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            dtype, shape = self.specs[name]
+            blob = stored[name]
+            if isinstance(blob, bytes):
+                encoded[name] = encoded_entry(DTYPES[dtype][0], shape, blob)
+                entry, size = {"dtype": "U8", "shape": [len(blob)]}, len(blob)
+            else:
+                entry, size = {"dtype": DTYPES[dtype][0], "shape": list(shape)}, self.nbytes[name]
+            header[name] = {**entry, "data_offsets": [offset, offset + size]}
             offset += size
+        header["__metadata__"].update(header_metadata(self.codec, encoded))
         header_bytes = json.dumps(header, separators=(",", ":")).encode()
         header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
-        self.header = len(header_bytes).to_bytes(8, "little") + header_bytes
-        self.size = len(self.header) + offset
-        self.sha256: str | None = None
-        self.dtypes = {name: specs[name][0] for name in self.order}
+        self.size = 8 + len(header_bytes) + offset
+        return len(header_bytes).to_bytes(8, "little") + header_bytes
 
     def __enter__(self) -> "ShardFileWriter":
         self._stack = contextlib.ExitStack()
         self._file = self._stack.enter_context(atomic_file(self.path, direct=True))
         self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
         self._writes, self._digest, self._next = [], hashlib.sha256(), 0
-        self._put(self.header)
+        if self.header is not None:
+            self._put(self.header)
         return self
 
     def _put(self, data) -> None:
@@ -88,8 +111,13 @@ class ShardFileWriter:
             raise ValueError(f"{self.path.name}: {name} got {sum(d.nbytes for d in data)} bytes of "
                              f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} bytes "
                              f"of {self.dtypes[name]}")
-        for chunk in data:
-            self._put(chunk)
+        if self.codec.encodes(self.dtypes[name]):
+            self._stored[name] = self.codec.encode(pieces)  # in this (writer) thread: Blosc2 releases the GIL
+        elif self.codec.enabled:
+            self._stored[name] = [chunk.copy() for chunk in data]  # token ids, loss masks: small
+        else:
+            for chunk in data:
+                self._put(chunk)
         while self._writes:  # once `write` returns the caller may reuse the pieces' memory
             self._writes.pop(0).result()
         self._next += 1
@@ -101,6 +129,12 @@ class ShardFileWriter:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: {len(self.order) - self._next} tensors were not written "
                                      f"(next: {self.order[self._next]})")
+                if self.codec.enabled:
+                    self._put(self._header(self._stored))
+                    for name in self.order:
+                        for chunk in (self._stored[name] if isinstance(self._stored[name], list)
+                                      else [self._stored[name]]):
+                            self._put(chunk)
                 for write in self._writes:
                     write.result()
                 self.sha256 = self._digest.hexdigest()
@@ -110,6 +144,7 @@ class ShardFileWriter:
         if exc_type is not None:
             for write in self._writes:
                 write.cancel()
+        self._stored = {}
         # the helper thread ends first, then the temp file is committed (fsync, rename) or removed
         self._stack.__exit__(exc_type, exc, tb)
         if failure is not None:
@@ -117,14 +152,15 @@ class ShardFileWriter:
         return False
 
 
-def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> tuple[str, int]:
+def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]],
+                     codec: Codec = Codec()) -> tuple[str, int]:
     """A whole shard from tensors in memory (a value may be a list of pieces, stored as their concatenation along
     dim 0). Keys in sorted order with one metadata entry, so the same tensors give the same bytes.
     Returns (sha256, size in bytes)."""
     pieces = {name: t if isinstance(t, list) else [t] for name, t in tensors.items()}
     specs = {name: (p[0].dtype, [sum(x.shape[0] for x in p), *p[0].shape[1:]] if p[0].dim() else [])
              for name, p in pieces.items()}
-    with ShardFileWriter(path, specs) as out:
+    with ShardFileWriter(path, specs, codec) as out:
         for name in out.order:
             out.write(name, pieces[name])
     return out.sha256, out.size
@@ -148,3 +184,42 @@ def read_header(path: Path) -> dict:
     if 8 + n + end != size:
         raise ValueError(f"tensors end at byte {8 + n + end}, the file has {size} (truncated or padded)")
     return header
+
+
+class ShardReader:
+    """Reads a shard's tensors as they were captured, compressed or not: `info(key)` gives the logical dtype code
+    and shape from the header alone, `get_tensor(key)` the tensor (decoded and checked where compressed).
+    `codec` is the shard's codec record ({"name": "none"} for a plain shard)."""
+
+    def __init__(self, path: Path, threads: int = 1):
+        from safetensors import safe_open
+
+        self.path, self.threads = Path(path), threads
+        self._file = safe_open(self.path, framework="pt")
+        self.codec, self._encoded = read_header_metadata(self._file.metadata())
+        self._header = read_header(self.path)
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file = None
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def info(self, key: str) -> dict:
+        """{"dtype": safetensors code, "shape": [...], "compressed": bool}: the tensor as captured."""
+        entry = self._encoded.get(key)
+        if entry is not None:
+            return {"dtype": entry["dtype"], "shape": entry["shape"], "compressed": True}
+        return {"dtype": self._header[key]["dtype"], "shape": self._header[key]["shape"], "compressed": False}
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        entry = self._encoded.get(key)
+        if entry is None:
+            return self._file.get_tensor(key)
+        try:
+            return decode(self._file.get_tensor(key).numpy(), entry, DTYPE_OF_CODE[entry["dtype"]], self.threads)
+        except CorruptTensorError as exc:
+            raise CorruptTensorError(f"{self.path}: {key}: {exc}") from None

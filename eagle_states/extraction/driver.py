@@ -20,6 +20,7 @@ from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings, ShardJob, ShardResult
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
+from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import (atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, json_bytes,
                                         sha256_file)
 from eagle_states.dataset.identity import model_context, model_identity, read_model_config
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent.parent
 # The code that decides a shard's bytes: the capture (hooks, assembly, admission of shards into steps) and the
 # shard file's layout and writer. Not the reader, the validator, the manifest or the command line.
-CAPTURE_CODE = ("capture/engine.py", "capture/worker.py", "dataset/layout.py", "dataset/shard_file.py")
+CAPTURE_CODE = ("capture/engine.py", "capture/worker.py", "dataset/layout.py", "dataset/shard_file.py",
+                "dataset/codec.py")
 
 
 def capture_code_version(package: Path = PACKAGE) -> str:
@@ -67,6 +69,11 @@ class NoRoomError(OSError):
 
 class DatasetExists(ValueError):
     """The output directory holds a finished dataset that this extraction would replace."""
+
+
+# The codec settings of a dataset stored without a codec (its level means nothing then: changing it recomputes
+# nothing), and of one made before codecs existed.
+NO_CODEC_SETTINGS = {"extract.codec": "none", "extract.codec_level": None}
 
 
 def _short(value) -> str:
@@ -110,11 +117,14 @@ class CaptureConfig:
                              f"({context} positions, config.json max_position_embeddings)")
         self.layers = LayerSelection.resolve(params.extract.layer_ids, self.model["num_layers"])
         self.dtype = resolved_dtype(Path(params.model.path), params.extract.dtype)
+        e = params.extract
+        self.codec = Codec(e.codec, e.codec_level, e.codec_threads)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
-                              "extract.dtype": self.dtype}
+                              "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {})}
         self.config_hash = hash_json({
             "model": {k: v for k, v in self.model.items() if k != "path"}, "settings": self.byte_settings,
-            "format_version": layout.FORMAT_VERSION, "code": capture_code_version()})
+            "format_version": layout.FORMAT_VERSION, "code": capture_code_version(),
+            "codec": self.codec.record()})  # with the codec library's version
         # an engine also needs room for the longest prompt it is given
         self.serving_key = hash_json({"config": self.config_hash, "max_model_len": params.extract.max_model_len})
 
@@ -156,6 +166,7 @@ class Extraction(CaptureConfig):
                 "dtype": self.dtype, "engine": self.byte_settings, "input_sha256": input_hash(self.samples)}
         theirs = {"model": {k: v for k, v in manifest.get("model", {}).items() if k != "path"},
                   **{key: manifest.get(key) for key in ours if key != "model"}}
+        theirs["engine"] = {**NO_CODEC_SETTINGS, **(theirs["engine"] or {})}  # made before codecs: none
         differ = [key for key in ours if ours[key] != theirs[key]]
         if differ:
             detail = "; ".join(f"{key}: {_short(theirs[key])} there, {_short(ours[key])} now" for key in differ)
@@ -190,23 +201,49 @@ class Extraction(CaptureConfig):
         self._intact[shard.name] = receipt
         return receipt
 
+    def _uncompressed_bytes(self, token_counts: list[int]) -> int:
+        return shard_data_bytes(token_counts, len(self.layers), self.model["hidden_size"], DTYPE_OF_NAME[self.dtype])
+
+    def measured_codec_ratio(self) -> tuple[float, int] | None:
+        """(stored / uncompressed bytes, shards measured) over the finished shards with this codec; None before
+        the first one (or without a codec)."""
+        if not self.codec.enabled:
+            return None
+        receipts = list(self._intact.values())
+        if not receipts:
+            return None
+        raw = self._uncompressed_bytes([s["num_tokens"] for r in receipts for s in r["samples"]])
+        return sum(r["bytes"] for r in receipts) / raw, len(receipts)
+
     def check_free_space(self) -> None:
-        """Refuse before any model load when the unfinished shards clearly do not fit on the output's disk."""
+        """Refuse when the unfinished shards clearly do not fit on the output's disk: before any model load, and
+        with a codec again once the first shard has measured the codec's ratio (until then the uncompressed size
+        only warns, since the codec may well make it fit)."""
         lengths = [len(s.input_ids) for shard in self.unfinished() for s in shard.samples]
-        needed = shard_data_bytes(lengths, len(self.layers), self.model["hidden_size"], DTYPE_OF_NAME[self.dtype])
+        needed = self._uncompressed_bytes(lengths)
+        how = f"{sum(lengths):,} tokens x {len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype}"
+        measured = self.measured_codec_ratio()
+        if measured is not None:
+            needed = int(needed * measured[0])
+            how += (f" x {measured[0]:.3f}, the ratio of {self.codec.name} measured on {measured[1]} finished "
+                    f"shard{'s' if measured[1] != 1 else ''}")
         folder = next(p for p in (self.out, *self.out.resolve().parents) if p.exists())
         free = shutil.disk_usage(folder).free
-        if needed > free:
-            raise NoRoomError(errno.ENOSPC, f"{self.out}: the unfinished shards need {needed / 1e9:,.2f} GB "
-                              f"({sum(lengths):,} tokens x {len(self.layers)} layers x hidden "
-                              f"{self.model['hidden_size']} x {self.dtype}); {folder}'s file system has "
-                              f"{free / 1e9:,.2f} GB free")
+        if needed <= free:
+            return
+        message = (f"{self.out}: the unfinished shards need {needed / 1e9:,.2f} GB ({how}); {folder}'s file system "
+                   f"has {free / 1e9:,.2f} GB free")
+        if self.codec.enabled and measured is None:
+            log.warning("%s uncompressed; checked again with %s's ratio after the first shard", message,
+                        self.codec.name)
+            return
+        raise NoRoomError(errno.ENOSPC, message)
 
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)
 
     def job(self, shard: PlannedShard) -> ShardJob:
-        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples)
+        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples, self.codec)
 
     def record(self, shard: PlannedShard, result: ShardResult) -> dict:
         receipt = {
@@ -219,7 +256,10 @@ class Extraction(CaptureConfig):
         # filesystem journal and with it for the shard data other writers have in flight, while the GPU idles.
         # A receipt lost to a power cut only means its shard is computed again.
         atomic_write_json(layout.receipt_path(self.out, shard.name), receipt, durable=False)
+        first_measured = self.codec.enabled and self.measured_codec_ratio() is None
         self._intact[shard.name] = receipt  # its hash was computed from the bytes as they were written
+        if first_measured:
+            self.check_free_space()  # now with the codec's ratio on real states
         return receipt
 
     def unfinished(self) -> list[PlannedShard]:
@@ -280,7 +320,8 @@ class Extraction(CaptureConfig):
                      "num_tokens": sum(s["num_tokens"] for s in r["samples"])} for r in receipts],
             num_samples=len(index), num_tokens=int(index["num_tokens"].sum()),
             num_loss_tokens=int(index["num_loss_tokens"].sum()), input_sha256=input_hash(self.samples),
-            versions=versions(), extra={"config_hash": self.config_hash, "engine": self.byte_settings})
+            codec=self.codec.record(), versions=versions(),
+            extra={"config_hash": self.config_hash, "engine": self.byte_settings})
         _write_if_changed(self.out / layout.MANIFEST_FILE, json_bytes(manifest))
         return manifest
 

@@ -1,0 +1,131 @@
+"""The lossless codec of the hidden states, part of the data contract: how a compressed tensor is stored inside a
+shard's safetensors file, and how it is read back bit-exact.
+
+A compressed tensor is a `U8` safetensors entry holding one Blosc2 frame (`SChunk.to_cframe()`: chunks of
+`CHUNK_BYTES`, each split into its byte planes by Blosc2's shuffle filter, then entropy-coded by zstd or lz4).
+Its logical dtype and shape, and a CRC-32 of the stored bytes, are in the file's `__metadata__` (`ENCODED_KEY`), so
+a validator sees every tensor's logical layout from the header alone, and a reader catches a damaged block (Blosc2
+itself decodes most flipped bytes into wrong values without complaint). Only the hidden states are compressed:
+token ids and loss masks are small and stay plain tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and numpy load when a tensor is encoded or decoded, not when settings are read
+    import numpy as np
+    import torch
+
+CODEC_KEY = "eagle_states.codec"  # __metadata__: the codec's record (JSON)
+ENCODED_KEY = "eagle_states.encoded"  # __metadata__: key -> {dtype, shape, crc32} of each compressed tensor (JSON)
+CHUNK_BYTES = 8 << 20  # Blosc2 chunk: large enough for its blocks to find the byte planes' statistics
+NAMES = ("none", "blosc2-zstd", "blosc2-lz4")  # what `extract.codec` accepts
+
+
+class CorruptTensorError(ValueError):
+    """A compressed tensor whose stored bytes are not the ones written, or that does not decode to its shape."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    """`name`: one of NAMES; `level`: the entropy coder's level (1 = fastest); `threads`: Blosc2 threads per
+    tensor (per writer thread, so a writer uses at most write_threads x threads cores). Level and name decide the
+    bytes; threads do not (Blosc2 compresses its blocks independently)."""
+
+    name: str = "none"
+    level: int = 1
+    threads: int = 1
+
+    def __post_init__(self):
+        if self.name not in NAMES:
+            raise ValueError(f"codec {self.name!r}: use one of {', '.join(NAMES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    def record(self) -> dict:
+        """What the manifest and each shard's header say of the codec: enough to read the data and to know which
+        library version made it."""
+        if not self.enabled:
+            return {"name": "none"}
+        import blosc2
+
+        return {"name": self.name, "level": self.level, "filter": "shuffle", "chunk_bytes": CHUNK_BYTES,
+                "blosc2": blosc2.__version__}
+
+    def encodes(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor of this dtype is stored compressed (the floating-point states)."""
+        return self.enabled and dtype.is_floating_point
+
+    def encode(self, pieces: list[torch.Tensor]) -> bytes:
+        """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
+        import blosc2
+
+        import torch
+
+        data = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).contiguous()
+        cparams = {"codec": blosc2.Codec.ZSTD if self.name == "blosc2-zstd" else blosc2.Codec.LZ4,
+                   "clevel": self.level, "filters": [blosc2.Filter.SHUFFLE], "typesize": data.element_size(),
+                   "nthreads": self.threads}
+        flat = data.view(torch.uint8).reshape(-1).numpy()
+        return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
+
+
+def codec_from_record(record: dict | None, threads: int = 1) -> Codec:
+    """The codec a manifest or header names (a dataset from before codecs has none: plain tensors)."""
+    if not record or record.get("name", "none") == "none":
+        return Codec()
+    return Codec(record["name"], int(record["level"]), threads)
+
+
+def encoded_entry(dtype_code: str, shape: list[int], stored: bytes) -> dict:
+    """The header metadata of one compressed tensor: its logical dtype and shape, and the stored bytes' CRC-32."""
+    return {"dtype": dtype_code, "shape": list(shape), "crc32": zlib.crc32(stored)}
+
+
+def header_metadata(codec: Codec, encoded: dict[str, dict]) -> dict[str, str]:
+    """The shard's `__metadata__` entries for a compressed shard (safetensors metadata values are strings)."""
+    if not codec.enabled:
+        return {}
+    return {CODEC_KEY: json.dumps(codec.record(), sort_keys=True, separators=(",", ":")),
+            ENCODED_KEY: json.dumps(encoded, sort_keys=True, separators=(",", ":"))}
+
+
+def read_header_metadata(metadata: dict | None) -> tuple[dict, dict[str, dict]]:
+    """(the codec's record, key -> encoded entry) from a shard's `__metadata__`; ({"name": "none"}, {}) for a
+    plain shard."""
+    metadata = metadata or {}
+    codec = json.loads(metadata[CODEC_KEY]) if CODEC_KEY in metadata else {"name": "none"}
+    encoded = json.loads(metadata[ENCODED_KEY]) if ENCODED_KEY in metadata else {}
+    return codec, encoded
+
+
+def decode(stored: np.ndarray, entry: dict, dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
+    """The tensor a compressed entry holds, bit-exact, after checking the stored bytes' CRC-32 and the decoded
+    size. `stored`: the entry's bytes as a uint8 array."""
+    import blosc2
+
+    key_shape = entry["shape"]
+    if zlib.crc32(stored) != entry["crc32"]:
+        raise CorruptTensorError(f"stored bytes fail their CRC-32 check ({len(stored):,} bytes)")
+    import torch
+
+    out = torch.empty(key_shape, dtype=dtype)
+    flat = out.view(torch.uint8).reshape(-1).numpy()
+    try:
+        frame = blosc2.schunk_from_cframe(stored, copy=False)
+        frame.dparams = blosc2.DParams(nthreads=threads)
+        if frame.nbytes != flat.nbytes:
+            raise CorruptTensorError(f"decodes to {frame.nbytes:,} bytes, the shape {key_shape} needs {flat.nbytes:,}")
+        frame.get_slice(0, flat.nbytes // frame.typesize, out=flat)
+    except CorruptTensorError:
+        raise
+    except Exception as exc:  # Blosc2 raises RuntimeError/ValueError on a frame it cannot parse
+        raise CorruptTensorError(f"does not decode: {exc}") from exc
+    return out
+

@@ -1,0 +1,111 @@
+"""The codec inside the shard file, without an engine: bit-exact round trips for every state dtype, the logical
+layout visible from the header alone, the same bytes whatever the thread count, damaged blocks caught, and the
+size estimate that uses the ratio measured on the first shard."""
+
+import errno
+import hashlib
+import json
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle_states.capture.engine import ShardResult
+from eagle_states.dataset.codec import Codec, CorruptTensorError
+from eagle_states.dataset.shard_file import ShardReader, read_header, write_shard_file
+from eagle_states.extraction.driver import Extraction, NoRoomError
+from helpers import extraction_params, write_prompt_jsonl
+
+ZSTD, LZ4 = Codec("blosc2-zstd"), Codec("blosc2-lz4")
+
+
+def sample_tensors(dtype):
+    torch.manual_seed(0)
+    pieces = [torch.randn(37, 96).to(dtype), torch.randn(1, 96).to(dtype), torch.randn(90, 96).to(dtype)]
+    return {"s/input_ids": torch.arange(128, dtype=torch.int32), "s/loss_mask": torch.ones(128, dtype=torch.uint8),
+            "s/hidden_states/0": pieces, "s/hidden_states/1": torch.randn(128, 96).to(dtype)}
+
+
+@pytest.mark.parametrize("codec", [ZSTD, LZ4, Codec("blosc2-zstd", level=5, threads=2)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_what_is_read_back_is_bit_for_bit_what_was_written(tmp_path, codec, dtype):
+    tensors = sample_tensors(dtype)
+    path = tmp_path / "shard.safetensors"
+    sha, size = write_shard_file(path, tensors, codec)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == sha and path.stat().st_size == size
+    with ShardReader(path) as shard:
+        assert shard.codec["name"] == codec.name and shard.codec["level"] == codec.level
+        for key, value in tensors.items():
+            value = torch.cat(value) if isinstance(value, list) else value
+            info = shard.info(key)
+            assert (info["shape"], info["compressed"]) == (list(value.shape), value.dtype.is_floating_point)
+            got = shard.get_tensor(key)
+            assert got.dtype == value.dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8))
+    # still a safetensors file: safetensors itself opens it, the states as bytes, the token ids as they are
+    with safe_open(path, framework="pt") as f:
+        assert f.get_tensor("s/hidden_states/1").dtype == torch.uint8
+        assert torch.equal(f.get_tensor("s/input_ids"), tensors["s/input_ids"])
+
+
+def test_random_states_compress_and_a_plain_shard_has_no_codec_metadata(tmp_path):
+    tensors = sample_tensors(torch.bfloat16)
+    plain, packed = tmp_path / "plain.safetensors", tmp_path / "packed.safetensors"
+    write_shard_file(plain, tensors)
+    write_shard_file(packed, tensors, ZSTD)
+    assert packed.stat().st_size < 0.85 * plain.stat().st_size  # bf16's sign and exponent byte compresses
+    with safe_open(plain, framework="pt") as f:
+        assert f.metadata() == {"format": "eagle-states/1"}
+    assert ShardReader(plain).codec == {"name": "none"}
+
+
+def test_the_same_tensors_give_the_same_bytes_whatever_the_thread_count(tmp_path):
+    tensors = sample_tensors(torch.bfloat16)
+    one = write_shard_file(tmp_path / "a.safetensors", tensors, Codec("blosc2-zstd", threads=1))
+    four = write_shard_file(tmp_path / "b.safetensors", tensors, Codec("blosc2-zstd", threads=4))
+    assert one == four
+
+
+def test_every_flipped_byte_in_a_compressed_tensor_is_caught_when_read(tmp_path):
+    path = tmp_path / "shard.safetensors"
+    write_shard_file(path, sample_tensors(torch.bfloat16), ZSTD)
+    data, header = path.read_bytes(), read_header(path)
+    start = 8 + int.from_bytes(data[:8], "little")
+    begin, end = header["s/hidden_states/0"]["data_offsets"]
+    rng = random.Random(1)
+    for position in rng.sample(range(begin, end), 40):
+        damaged = bytearray(data)
+        damaged[start + position] ^= 1 << rng.randrange(8)
+        path.write_bytes(damaged)
+        with pytest.raises(CorruptTensorError, match="s/hidden_states/0: stored bytes fail their CRC-32 check"):
+            ShardReader(path).get_tensor("s/hidden_states/0")
+        assert torch.equal(ShardReader(path).get_tensor("s/input_ids"), torch.arange(128, dtype=torch.int32))
+
+
+def test_with_a_codec_the_size_check_waits_for_the_first_shard_then_uses_its_ratio(tmp_path, llama_model, caplog):
+    huge = shutil.copytree(llama_model, tmp_path / "huge")  # its config says hidden size 2^26: 1 GiB per token
+    config = json.loads((huge / "config.json").read_text())
+    config["hidden_size"] = 2 ** 26
+    (huge / "config.json").write_text(json.dumps(config))
+    rows = write_prompt_jsonl(tmp_path / "rows.jsonl", [[5] * 200] * 8)
+    params = extraction_params(huge, rows, tmp_path / "ds", dtype="float32", shard_max_tokens=400,
+                               max_num_batched_tokens=200, codec="blosc2-zstd")
+    assert 1600 * 4 * 2 ** 26 * 4 > shutil.disk_usage(tmp_path).free, "the test needs a disk of less than 1.7 TB"
+    extraction = Extraction(params)
+    with caplog.at_level(logging.WARNING):
+        extraction.check_free_space()  # uncompressed it does not fit; the codec may make it: a warning, no refusal
+    assert "uncompressed; checked again with blosc2-zstd's ratio after the first shard" in caplog.text
+    first = extraction.shards[0]
+    raw = 400 * 4 * 2 ** 26 * 4
+    path = extraction.job(first).path
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(raw // 4)  # as if written, a quarter of its uncompressed size (sparse: no disk used)
+    result = ShardResult(first.name, "0" * 64, raw // 4, {s.sample_id: 200 for s in first.samples}, path)
+    with pytest.raises(NoRoomError) as refused:
+        extraction.record(first, result)  # the shard is kept (its receipt is written), the run stops
+    assert refused.value.errno == errno.ENOSPC
+    assert ("1,200 tokens x 4 layers x hidden 67108864 x float32 x 0.250, the ratio of blosc2-zstd measured on 1 "
+            "finished shard") in str(refused.value)
