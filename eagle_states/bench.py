@@ -1,9 +1,10 @@
-"""Benchmark: plain prefill against the full extraction (states on disk, manifest and all), interleaved in one
-process on one engine, so both see the same model, settings, prompts and machine state.
+"""Benchmark: plain prefill against the full extraction (states on disk, manifest and all), with each codec asked
+for, interleaved in one process on one engine, so all see the same model, settings, prompts and machine state.
 
 Plain prefill is `llm.generate(..., max_tokens=1)` without sample ids: the capture hooks stay idle, which is
-what vLLM does without this project. Capture is `Extraction.run` into a fresh directory each round. Rounds
-alternate which of the two runs first.
+what vLLM does without this project. Capture is `Extraction.run` into a fresh directory each round, once per
+codec (the codec is the shard writers', so one engine serves them all). Each round starts with the next one in
+turn, so a drift of the machine's speed favours none of them.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def _peak_gpu_bytes() -> int | None:
 
 
 def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, prompt_len: int, rounds: int,
-                  disk_probe_bytes: int, free_written: bool = False, seed: int = 0) -> dict:
-    """`params`: the model and the extract settings (the bench's own prompts replace the input)."""
+                  disk_probe_bytes: int, free_written: bool = False, seed: int = 0,
+                  codecs: list[str] | None = None) -> dict:
+    """`params`: the model and the extract settings (the bench's own prompts replace the input); `codecs`: the
+    captures to measure beside plain prefill (default: extract.codec alone)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
@@ -89,8 +92,11 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     warm_source.write_text("".join(rows[: max(1, num_prompts // 8)]))
     tokens = num_prompts * prompt_len
 
-    def extraction_of(src: Path, target: Path) -> Extraction:
-        return Extraction(params.override({"extract.input": str(src), "output.dir": str(target)}))
+    codecs = codecs or [params.extract.codec]
+
+    def extraction_of(src: Path, target: Path, codec: str = codecs[0]) -> Extraction:
+        return Extraction(params.override({"extract.input": str(src), "output.dir": str(target),
+                                           "extract.codec": codec}))
 
     holder = EngineHolder()
     started = time.perf_counter()
@@ -100,8 +106,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     # Warm both paths on an eighth of the prompts (allocator, pinned host buffers, writer threads, page cache)
     # before anything is timed.
     engine.plain_prefill(prompts[: max(1, num_prompts // 8)])
-    extraction_of(warm_source, out_dir / "warm-up").run(holder)
-    shutil.rmtree(out_dir / "warm-up")
+    for codec in codecs:
+        extraction_of(warm_source, out_dir / "warm-up", codec).run(holder)
+        shutil.rmtree(out_dir / "warm-up")
     target = out_dir / "dataset"
 
     def steps(mode: str, before: dict, after: dict) -> dict:
@@ -117,11 +124,11 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         plain_s = time.monotonic() - t0
         return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats())}
 
-    def capture() -> dict:
+    def capture(codec: str) -> dict:
         shutil.rmtree(target, ignore_errors=True)
         before = engine.capture_stats()
         t0 = time.monotonic()
-        extraction_round = extraction_of(source, target)  # reads and hashes the input, plans shards
+        extraction_round = extraction_of(source, target, codec)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
         freed = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-free") as freeing:
@@ -136,55 +143,82 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
         # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
         # the device's time in and between forward passes (compared with plain prefill's)
-        return {"capture_s": ended - t0, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
-                "setup_s": setup_s, "forward_stalled_s": after.pinned_wait_s - before.pinned_wait_s,
-                "drain_s": ended - after.last_hand_off, **steps("capture", before, after)}
+        capture_s = ended - t0
+        row = {"capture_s": capture_s, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
+               "setup_s": setup_s, "forward_stalled_s": after.pinned_wait_s - before.pinned_wait_s,
+               "drain_s": ended - after.last_hand_off, **steps("capture", before, after),
+               "encoded_bytes": after.encoded_bytes - before.encoded_bytes,
+               "encode_s": after.encode_s - before.encode_s}
+        row.update(capture_tok_s=tokens / capture_s, write_gb_s=row["bytes_written"] / capture_s / 1e9,
+                   bytes_per_token_stored=row["bytes_written"] / tokens,
+                   # the codec's own speed: what one writer thread compresses per second (codec_threads each)
+                   encode_gb_s_per_writer=(row["encoded_bytes"] / row["encode_s"] / 1e9 if row["encode_s"] else None))
+        return row
 
     rounds_out = []
     try:
         for r in range(rounds):
-            # alternate which goes first (ABBA), so a drift of the machine's speed does not favour either
-            order = (plain, capture) if r % 2 == 0 else (capture, plain)
-            row = {"round": r, "first": order[0].__name__}
-            for measure in order:
-                row.update(measure())
-            row.update(plain_tok_s=tokens / row["plain_s"], capture_tok_s=tokens / row["capture_s"],
-                       ratio=row["plain_s"] / row["capture_s"], write_gb_s=row["bytes_written"] / row["capture_s"] / 1e9,
-                       # the same without what is left to write after the last forward pass: a fixed cost per
-                       # run, which a long run (hours, not this round's seconds) spreads over many more tokens
-                       ratio_to_last_forward=row["plain_s"] / (row["capture_s"] - row["drain_s"]))
+            # each round starts with the next in turn (with one codec: ABBA), so a drift of the machine's speed
+            # favours none of them
+            turns = ["plain", *codecs]
+            order = turns[r % len(turns):] + turns[:r % len(turns)]
+            row = {"round": r, "first": "plain" if order[0] == "plain" else "capture", "order": order,
+                   "captures": {}}
+            for turn in order:
+                if turn == "plain":
+                    row.update(plain())
+                else:
+                    row["captures"][turn] = capture(turn)
+            for codec, c in row["captures"].items():
+                c.update(ratio=row["plain_s"] / c["capture_s"],
+                         # the same without what is left to write after the last forward pass: a fixed cost per
+                         # run, which a long run (hours, not this round's seconds) spreads over many more tokens
+                         ratio_to_last_forward=row["plain_s"] / (c["capture_s"] - c["drain_s"]))
+            row["plain_tok_s"] = tokens / row["plain_s"]
             rounds_out.append(row)
-            print(f"round {r} ({row['first']} first): plain {row['plain_tok_s']:,.0f} tok/s | capture "
-                  f"{row['capture_tok_s']:,.0f} tok/s | ratio {row['ratio']:.3f} | {row['write_gb_s']:.2f} GB/s "
-                  f"written | input {row['setup_s']:.1f} s, forward stalled {row['forward_stalled_s']:.1f} s, "
-                  f"after the last forward {row['drain_s']:.1f} s | steps {row['plain_forwards']} / "
-                  f"{row['capture_forwards']}, in them {row['plain_forward_s']:.2f} s / {row['capture_forward_s']:.2f} s, "
-                  f"idle between them {row['plain_between_forwards_s']:.2f} s / "
-                  f"{row['capture_between_forwards_s']:.2f} s (plain / capture)", flush=True)
+            print(f"round {r} ({', '.join(order)}): plain {row['plain_tok_s']:,.0f} tok/s", flush=True)
+            for codec, c in row["captures"].items():
+                print(f"  capture {codec}: {c['capture_tok_s']:,.0f} tok/s | ratio {c['ratio']:.3f} | "
+                      f"{c['write_gb_s']:.2f} GB/s written, {c['bytes_per_token_stored']:,.0f} bytes/token | input "
+                      f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
+                      f"{c['drain_s']:.1f} s | steps {row['plain_forwards']} / {c['capture_forwards']}, in them "
+                      f"{row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
+                      f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
+                      "(plain / capture)", flush=True)
     finally:
         holder.close()
     disk = disk_write_bandwidth(out_dir, disk_probe_bytes)
-    ratio = statistics.median(r["ratio"] for r in rounds_out)
-    result = {
+    raw_bytes_per_token = ((4 if extraction.dtype == "float32" else 2) * extraction.model["hidden_size"]
+                           * len(extraction.layers))
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    captures = {}
+    for codec in codecs:
+        rows = [r["captures"][codec] for r in rounds_out]
+        captures[codec] = {f"{k}_median": median(c[k] for c in rows) for k in (
+            "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
+            "drain_s", "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored",
+            "encode_gb_s_per_writer")}
+        captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
+    return {
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
-        "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype, "hidden_size": extraction.model["hidden_size"],
-        "bytes_per_token": 4 if extraction.dtype == "float32" else 2,
+        "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype,
+        "hidden_size": extraction.model["hidden_size"], "bytes_per_token": raw_bytes_per_token,
         "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
-        "shard_max_tokens": e.shard_max_tokens, "write_threads": e.write_threads, "free_written": free_written,
-        "rounds": rounds_out,
+        "shard_max_tokens": e.shard_max_tokens, "write_threads": e.write_threads,
+        "codec_level": e.codec_level, "codec_threads": e.codec_threads, "free_written": free_written,
+        "rounds": rounds_out, "codecs": codecs,
         "plain_tok_s_median": statistics.median(r["plain_tok_s"] for r in rounds_out),
-        "capture_tok_s_median": statistics.median(r["capture_tok_s"] for r in rounds_out),
-        "ratio_median": ratio, "write_gb_s_median": statistics.median(r["write_gb_s"] for r in rounds_out),
-        "ratio_to_last_forward_median": statistics.median(r["ratio_to_last_forward"] for r in rounds_out),
         **{f"{k}_median": statistics.median(r[k] for r in rounds_out)
-           for k in ("setup_s", "forward_stalled_s", "drain_s", "plain_forward_s", "capture_forward_s",
-                     "plain_between_forwards_s", "capture_between_forwards_s")},
+           for k in ("plain_forward_s", "plain_between_forwards_s")},
+        "captures": captures,
         "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
     }
-    result["bytes_per_token"] *= result["hidden_size"] * len(result["layer_ids"])
-    return result
 
 
 def format_result(result: dict) -> str:
@@ -192,19 +226,27 @@ def format_result(result: dict) -> str:
         f"model {result['model']} ({result['dtype']}, hidden {result['hidden_size']}, layers {result['layer_ids']})",
         f"{result['prompts']} prompts x {result['prompt_len']} tokens per round, {len(result['rounds'])} rounds, "
         f"max_num_batched_tokens {result['max_num_batched_tokens']}, shards of {result['shard_max_tokens']:,} "
-        f"tokens, {result['write_threads']} writer threads",
-        f"plain prefill   {result['plain_tok_s_median']:>12,.0f} tokens/s (median)",
-        f"capture to disk {result['capture_tok_s_median']:>12,.0f} tokens/s (median)",
-        f"ratio capture/plain {result['ratio_median']:.3f} (up to the last forward pass, without the writes "
-        f"still draining then: {result['ratio_to_last_forward_median']:.3f})",
-        f"capture's extra time (median): input read and planned {result['setup_s_median']:.2f} s, forward stalled "
-        f"on host buffers {result['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
-        f"index, manifest) {result['drain_s_median']:.2f} s",
-        f"device time in forward passes {result['plain_forward_s_median']:.2f} s plain, "
-        f"{result['capture_forward_s_median']:.2f} s capture; idle between them "
-        f"{result['plain_between_forwards_s_median']:.2f} s plain, {result['capture_between_forwards_s_median']:.2f} s "
-        "capture",
-        f"written {result['write_gb_s_median']:.2f} GB/s ({result['bytes_per_token']:,} bytes/token); "
+        f"tokens, {result['write_threads']} writer threads, codec level {result['codec_level']} with "
+        f"{result['codec_threads']} threads per writer",
+        f"plain prefill   {result['plain_tok_s_median']:>12,.0f} tokens/s (median); device time in forward passes "
+        f"{result['plain_forward_s_median']:.2f} s, idle between them {result['plain_between_forwards_s_median']:.2f} s",
+    ]
+    for codec, c in result["captures"].items():
+        encode = (f", the codec {c['encode_gb_s_per_writer_median']:.2f} GB/s per writer thread"
+                  if c["encode_gb_s_per_writer_median"] else "")
+        lines += [
+            f"capture to disk, codec {codec}: {c['capture_tok_s_median']:>12,.0f} tokens/s (median)",
+            f"  ratio capture/plain {c['ratio_median']:.3f} (up to the last forward pass, without the writes "
+            f"still draining then: {c['ratio_to_last_forward_median']:.3f})",
+            f"  capture's extra time (median): input read and planned {c['setup_s_median']:.2f} s, forward stalled "
+            f"on host buffers {c['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
+            f"index, manifest) {c['drain_s_median']:.2f} s",
+            f"  device time in forward passes {c['capture_forward_s_median']:.2f} s, idle between them "
+            f"{c['capture_between_forwards_s_median']:.2f} s",
+            f"  written {c['write_gb_s_median']:.2f} GB/s, {c['bytes_per_token_stored_median']:,.0f} bytes/token on "
+            f"disk of {result['bytes_per_token']:,} captured (x{c['compression_ratio']:.3f}){encode}",
+        ]
+    lines += [
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s",
         f"peak host RSS {result['peak_host_rss_gb']:.1f} GB"
         + (f", peak GPU reserved {result['peak_gpu_reserved_gb']:.1f} GB" if result['peak_gpu_reserved_gb'] else ""),

@@ -197,10 +197,11 @@ def cmd_bench(args) -> int:
         "model.build_demo_if_missing": False, "extract.shard_max_tokens": args.shard_max_tokens,
         "extract.max_num_batched_tokens": args.max_num_batched_tokens, "extract.max_num_seqs": args.max_num_seqs,
         "extract.gpu_memory_utilization": args.gpu_memory_utilization, "extract.write_threads": args.write_threads,
+        "extract.codec_level": args.codec_level, "extract.codec_threads": args.codec_threads,
         "extract.max_model_len": args.prompt_len + 16, "prepare.max_length": args.prompt_len})
     result = run_benchmark(params, Path(args.bench_out), num_prompts=args.prompts, prompt_len=args.prompt_len,
                            rounds=args.rounds, disk_probe_bytes=int(args.disk_probe_gb * 2**30),
-                           free_written=args.free_written)
+                           free_written=args.free_written, codecs=args.codecs.split(",") if args.codecs else None)
     print(format_result(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -344,9 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("max_num_batched_tokens", "tokens per engine step"),
                             ("max_num_seqs", "requests per engine step"),
                             ("gpu_memory_utilization", "share of GPU (CPU build: host) memory for the engine"),
-                            ("shard_max_tokens", "tokens per shard"), ("write_threads", "shard writer threads")):
+                            ("shard_max_tokens", "tokens per shard"), ("write_threads", "shard writer threads"),
+                            ("codec_level", "the codec's level"),
+                            ("codec_threads", "compression threads per shard writer")):
         p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),
                        default=getattr(defaults, name), help=f"{help_text} (default: %(default)s)")
+    p.add_argument("--codecs", help="codecs to capture with, side by side in each round, e.g. none,blosc2-zstd "
+                                    f"(any of {', '.join(CODEC_NAMES)}; default: extract.codec)")
     p.add_argument("--disk-probe-gb", type=float, default=2.0, help="GiB written to measure the disk alone "
                                                                      "(default: %(default)s)")
     p.add_argument("--free-written", action="store_true",

@@ -105,6 +105,8 @@ class StatsReply(Message):
     forwards: int
     forward_s: float  # device time in forward passes
     between_forwards_s: float  # device idle between them
+    encoded_bytes: int  # hidden-state bytes compressed by the shard writers (extract.codec)
+    encode_s: float  # the writer threads' time in compressing them (summed over threads)
 
 
 class Discarded(Message):

@@ -181,7 +181,8 @@ class _Capture:
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
         # captured step (so a caller can tell the time spent draining writes after the last forward pass)
-        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0}
+        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0,
+                      "encoded_bytes": 0, "encode_s": 0.0}
         self.clock = _ForwardClock(self.is_cuda)
         self.pending_copy = None  # CUDA: the last captured step, until `_start_copy` moves it to the host
         self.failure: BaseException | None = None
@@ -442,6 +443,9 @@ class _Capture:
                             self._write_sample(out, sid, sample, shard["loss_masks"][sid])
                         finally:
                             self._forget(sample)
+                with self.lock:
+                    self.stats["encoded_bytes"] += out.encoded_bytes
+                    self.stats["encode_s"] += out.encode_s
             finally:
                 self._forget(first)  # a no-op once written; gives it back when the file could not be opened
             return out.sha256, out.size

@@ -26,6 +26,15 @@ CHUNK_BYTES = 8 << 20  # Blosc2 chunk: large enough for its blocks to find the b
 NAMES = ("none", "blosc2-zstd", "blosc2-lz4")  # what `extract.codec` accepts
 
 
+def _blosc2():
+    """Blosc2, set to release the GIL while it compresses: the shard writers compress beside the engine's loop,
+    which must not wait for them (Blosc2 keeps the GIL by default: two writer threads ran no faster than one)."""
+    import blosc2
+
+    blosc2.set_releasegil(True)
+    return blosc2
+
+
 class CorruptTensorError(ValueError):
     """A compressed tensor whose stored bytes are not the ones written, or that does not decode to its shape."""
 
@@ -64,7 +73,7 @@ class Codec:
 
     def encode(self, pieces: list[torch.Tensor]) -> bytes:
         """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
-        import blosc2
+        blosc2 = _blosc2()
 
         import torch
 
@@ -108,7 +117,7 @@ def read_header_metadata(metadata: dict | None) -> tuple[dict, dict[str, dict]]:
 def decode(stored: np.ndarray, entry: dict, dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
     """The tensor a compressed entry holds, bit-exact, after checking the stored bytes' CRC-32 and the decoded
     size. `stored`: the entry's bytes as a uint8 array."""
-    import blosc2
+    blosc2 = _blosc2()
 
     key_shape = entry["shape"]
     if zlib.crc32(stored) != entry["crc32"]:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -67,6 +68,7 @@ class ShardFileWriter:
         # with a codec, the stored sizes are known only once compressed: the tensors are kept (compressed) until
         # the last one, then the header and they are written
         self._stored: dict[str, bytes | list] = {}
+        self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
 
     def _header(self, stored: dict[str, bytes | None]) -> bytes:
         """The safetensors header: each tensor as stored (a compressed one as U8 bytes, its logical dtype and
@@ -112,7 +114,10 @@ class ShardFileWriter:
                              f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} bytes "
                              f"of {self.dtypes[name]}")
         if self.codec.encodes(self.dtypes[name]):
+            started = time.perf_counter()
             self._stored[name] = self.codec.encode(pieces)  # in this (writer) thread: Blosc2 releases the GIL
+            self.encode_s += time.perf_counter() - started
+            self.encoded_bytes += self.nbytes[name]
         elif self.codec.enabled:
             self._stored[name] = [chunk.copy() for chunk in data]  # token ids, loss masks: small
         else:
