@@ -108,7 +108,8 @@ def cmd_info(args) -> int:
         f"{model['path']}",
         f"  layer ids    {about['layer_ids']} ({about['dtype']}); {about['layer_semantics']}",
         f"  samples      {about['samples']:,}, {about['tokens']:,} tokens ({about['loss_tokens']:,} loss tokens)",
-        f"  size         {human_bytes(about['bytes'])} in {about['shards']} shards",
+        f"  size         {human_bytes(about['bytes'])} in {about['shards']} shards, "
+        f"{about['bytes'] / max(about['tokens'], 1):,.0f} bytes per token; codec {about['codec']['name']}",
         f"  validation   {about['validation']}",
         f"  exports      " + (", ".join(f"{e['format']} ({e['dir']})" for e in about["exports"]) or "none found under "
                               f"{params.export.out}"),

@@ -77,7 +77,7 @@ class ExtractParams(_Section):
         "none", description="lossless compression of the hidden states in the shard files: Blosc2's byte shuffle, "
                             "then zstd or lz4 (bench/RESULTS.md has the ratios and speeds)")
     codec_level: int = Field(1, ge=1, le=9, description="the entropy coder's level (1: fastest)")
-    codec_threads: int = Field(2, ge=1, description="compression threads per shard writer (at most write_threads x "
+    codec_threads: int = Field(1, ge=1, description="Blosc2 threads per shard writer (at most write_threads x "
                                                     "codec_threads cores compress)")
 
     @field_validator("layer_ids", mode="before")

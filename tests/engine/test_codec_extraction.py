@@ -99,6 +99,19 @@ def test_a_flipped_byte_in_a_compressed_block_is_named_by_validation_and_refused
         Dataset(packed)["p000"]
 
 
+def test_a_dataset_from_before_codecs_still_reads_and_validates(run, tmp_path):
+    old = shutil.copytree(run("none")[0], tmp_path / "dataset")
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["codec"]  # as written before codecs existed (its shards were already plain)
+    for key in ("extract.codec", "extract.codec_level"):
+        del manifest["engine"][key]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert validate_dataset(old).valid
+    assert same_samples(Dataset(old), Dataset(run("none")[0])) == 8 * 4
+    _, cached = run("none", out=old)  # the same settings today: not refused as another dataset's, all cached
+    assert cached == len(manifest["shards"])
+
+
 def test_exports_of_a_compressed_dataset_equal_those_of_a_plain_one_byte_for_byte(run, tmp_path):
     plain, packed = run("none")[0], run("blosc2-zstd")[0]
     for dataset in (plain, packed):
