@@ -33,8 +33,7 @@ def conversations(path: Path, tokenizer, max_len: int) -> list[torch.Tensor]:
     out = []
     for row in rows:
         messages = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
         out.append(torch.tensor(ids[:max_len]))
     return out
 
@@ -75,7 +74,7 @@ def main() -> None:
     model_dir = make_demo_model(args.out / "model", num_layers=args.layers, hidden_size=args.hidden,
                                 num_heads=args.hidden // 64)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # the final state before the norm, as the capture stores it for layer id N
     model.model.norm.register_forward_hook(lambda module, inputs, output: setattr(model, "_final_state", inputs[0]))
     layers = LayerSelection.resolve("eagle3", args.layers)
