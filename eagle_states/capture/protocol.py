@@ -46,7 +46,7 @@ class BeginShard(Message):
     sample_ids: list[str]
     num_tokens: list[int]
     loss_masks: list[list[int]]
-    codec: Codec  # how its hidden states are stored
+    codec: Codec = Codec()  # how its hidden states are stored (default: plain tensors)
 
 
 class EndShard(Message):
