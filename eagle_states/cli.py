@@ -111,7 +111,7 @@ def cmd_info(args) -> int:
         f"  size         {human_bytes(about['bytes'])} in {about['shards']} shards, "
         f"{about['bytes'] / max(about['tokens'], 1):,.0f} bytes per token; codec {about['codec']['name']}",
         f"  validation   {about['validation']}",
-        f"  exports      " + (", ".join(f"{e['format']} ({e['dir']})" for e in about["exports"]) or "none found under "
+        "  exports      " + (", ".join(f"{e['format']} ({e['dir']})" for e in about["exports"]) or "none found under "
                               f"{params.export.out}"),
         f"  captured by  vLLM {about['vllm']}"]))
     return 0

@@ -37,6 +37,19 @@ def write_prompt_jsonl(path: Path, prompts, ids=None) -> Path:
     return path
 
 
+def model_too_big_for_the_disk(model: Path, folder: Path) -> Path:
+    """A copy of `model` whose config says hidden size 2^26 (1 GiB per token and layer in fp32): 1,600 tokens of it
+    in 4 layers (1.7 TB) fit on no disk these tests run on. Only the size check reads it; no engine loads it."""
+    import shutil
+
+    huge = shutil.copytree(model, folder / "huge")
+    config = json.loads((huge / "config.json").read_text())
+    config["hidden_size"] = 2 ** 26
+    (huge / "config.json").write_text(json.dumps(config))
+    assert 1600 * 4 * 2 ** 26 * 4 > shutil.disk_usage(folder).free, "the test needs a disk of less than 1.7 TB"
+    return huge
+
+
 def extraction_params(model: Path, source: Path, out: Path, **extract) -> PipelineParams:
     """Parameters for extracting `source` (a prompt JSONL or a prepared directory) with `model` into `out`;
     `extract` overrides the extract section (everything else is config's defaults)."""

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from eagle_states.cli import main
-from helpers import write_prompt_jsonl
+from helpers import model_too_big_for_the_disk, write_prompt_jsonl
 from tasks.retry import is_permanent
 
 
@@ -67,13 +67,8 @@ def test_a_row_validation_would_reject_is_refused_before_the_engine(workdir, cap
 
 
 def test_a_dataset_that_does_not_fit_is_refused_before_the_model_loads(workdir, capsys, llama_model):
-    huge = shutil.copytree(llama_model, workdir / "huge")  # its config says hidden size 2^26: 1 GiB per token
-    config = json.loads((huge / "config.json").read_text())
-    config["hidden_size"] = 2 ** 26
-    (huge / "config.json").write_text(json.dumps(config))
+    huge = model_too_big_for_the_disk(llama_model, workdir)
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 200] * 8)
-    free = shutil.disk_usage(workdir).free
-    assert 1600 * 4 * 2 ** 26 * 4 > free, "the test needs a disk of less than 1.7 TB"
     line = fails(capsys, "extract", "--model", str(huge), "--input", str(rows), "--out", "ds", "--dtype", "float32")
     assert "the unfinished shards need 1,717.99 GB (1,600 tokens x 4 layers x hidden 67108864 x float32)" in line
     assert f"{workdir}'s file system has" in line and line.endswith("GB free")
