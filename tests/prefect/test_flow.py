@@ -30,7 +30,8 @@ def pipeline_params(tmp_path, llama_model, **validate) -> PipelineParams:
         "prepare": {"out": str(tmp_path / "prepared"), "limit": 20},
         "extract": {"shard_max_tokens": 1536, "max_model_len": 2049, "max_num_batched_tokens": 512,
                     "gpu_memory_utilization": 0.2, "dtype": "float32"},
-        "validate": validate or {"min_loss_tokens": 1},
+        # the report in the test's folder: the default (work/validation.json) is the checkout's own
+        "validate": {"report": str(tmp_path / "validation.json"), **(validate or {"min_loss_tokens": 1})},
         "output": {"dir": str(tmp_path / "dataset"), "prefect_results": str(tmp_path / "results")}})
 
 
