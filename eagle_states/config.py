@@ -20,10 +20,11 @@ DEFAULT_PARAMS_FILE = Path("params.yaml")
 # here because a step's composition changes the float results (to the bit); `max_model_len` (which rows are
 # accepted), `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
 # `data_parallel_size`, `gpu_ids` and `codec_threads` change where and how fast, not what. The codec and its
-# level decide the stored bytes (not the states they decode to).
+# level decide the stored bytes (not the states they decode to). States captured while generating
+# (`regenerate.capture`) come from other batches than a prefill's, so they differ in the last bits.
 SHARD_BYTES_SETTINGS = ("extract.layer_ids", "extract.dtype", "extract.shard_max_tokens",
                         "extract.max_num_batched_tokens", "extract.max_num_seqs", "extract.tensor_parallel_size",
-                        "extract.codec", "extract.codec_level")
+                        "extract.codec", "extract.codec_level", "regenerate.capture")
 
 
 class _Section(BaseModel):
@@ -49,6 +50,22 @@ class PrepareParams(_Section):
     limit: Optional[int] = Field(None, gt=0, description="keep at most this many samples")
     shuffle_seed: Optional[int] = Field(None, description="shuffle before the limit (null keeps file order)")
     dedup: bool = Field(True, description="drop conversations identical to an earlier one")
+
+
+class RegenerateParams(_Section):
+    enabled: bool = Field(False, description="replace every assistant turn by the target model's own reply before "
+                                             "the states are captured")
+    out: str = Field("work/regenerated", description="the regenerated conversations and their token ids (the "
+                                                     "extraction's input when enabled)")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(512, gt=0, description="tokens per assistant turn")
+    seed: int = Field(0, description="sampling seed (each turn draws from its own generator, seeded from this)")
+    on_truncated: Literal["keep", "drop"] = Field(
+        "keep", description="a turn cut at max_new_tokens (or at prepare.max_length): kept as it is, or its "
+                            "conversation dropped (skipped.jsonl)")
+    capture: bool = Field(False, description="capture the states while the last assistant turn is generated (no "
+                                             "second prefill); the extract step then only finalizes")
 
 
 class ExtractParams(_Section):
@@ -118,6 +135,7 @@ class PipelineParams(_Section):
     model: ModelParams = ModelParams()
     data: DataParams = DataParams()
     prepare: PrepareParams = PrepareParams()
+    regenerate: RegenerateParams = RegenerateParams()
     extract: ExtractParams = ExtractParams()
     validate_: ValidateParams = Field(ValidateParams(), alias="validate")
     export: ExportParams = ExportParams()
@@ -137,6 +155,12 @@ class PipelineParams(_Section):
             raise ValueError(f"prepare.min_loss_tokens ({self.prepare.min_loss_tokens}) is below "
                              f"validate.min_loss_tokens ({self.validate_.min_loss_tokens}): samples that preparation "
                              "keeps would fail validation after the GPU work")
+        if self.regenerate.enabled and e.input:
+            raise ValueError(f"extract.input ({e.input}) and regenerate.enabled: the extraction's input is then "
+                             f"what regeneration writes ({self.regenerate.out}); give one of them")
+        if self.regenerate.capture and not self.regenerate.enabled:
+            raise ValueError("regenerate.capture needs regenerate.enabled: it captures the states while the "
+                             "responses are regenerated")
         if self.prepare.max_length > e.max_model_len - 1:
             raise ValueError(f"prepare.max_length ({self.prepare.max_length}) must be below extract.max_model_len "
                              f"({e.max_model_len}): the engine takes at most max_model_len - 1 prompt tokens")
@@ -144,8 +168,9 @@ class PipelineParams(_Section):
 
     @property
     def extract_input(self) -> str:
-        """The extraction's input: `extract.input`, else what `prepare` writes."""
-        return self.extract.input or self.prepare.out
+        """The extraction's input: `extract.input`, else what `regenerate` writes when it is enabled, else what
+        `prepare` writes."""
+        return self.extract.input or (self.regenerate.out if self.regenerate.enabled else self.prepare.out)
 
     def setting(self, dotted: str):
         section, key = dotted.split(".", 1)

@@ -97,8 +97,9 @@ def detect_format(rows: list[object]) -> str:
         "this is not a conversation dataset")
 
 
-def to_messages(row, fmt: str) -> list[dict] | str:
-    """A row as [{role, content}] (or a plain string for `text` rows); raises SkipRow with the reason."""
+def to_messages(row, fmt: str, require_assistant: bool = True) -> list[dict] | str:
+    """A row as [{role, content}] (or a plain string for `text` rows); raises SkipRow with the reason.
+    `require_assistant=False` accepts conversations without an assistant turn (regeneration answers them)."""
     if not isinstance(row, dict):
         raise SkipRow("not_an_object", f"a {type(row).__name__}")
     if fmt == "prompt":
@@ -130,7 +131,7 @@ def to_messages(row, fmt: str) -> list[dict] | str:
             raise SkipRow("non_string_content", f"turn {i} ({turn['role']}): {type(turn['content']).__name__}")
         if not turn["content"].strip():
             raise SkipRow("empty_content", f"turn {i} ({turn['role']})")
-    if not any(t["role"] == "assistant" for t in turns):
+    if require_assistant and not any(t["role"] == "assistant" for t in turns):
         raise SkipRow("no_assistant_turn", f"{len(turns)} turns, none from the assistant")
     return turns
 
@@ -142,18 +143,22 @@ def template_has_generation_markers(tokenizer) -> bool:
     return "{% generation %}" in template or "{%- generation %}" in template
 
 
-def render_with_markers(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+def render_with_markers(tokenizer, messages: list[dict], generation_prompt: bool = False
+                        ) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                        add_generation_prompt=generation_prompt)
     return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
 
 
-def render_by_prefix_diff(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def render_by_prefix_diff(tokenizer, messages: list[dict], generation_prompt: bool = False
+                          ) -> tuple[list[int], list[int]]:
     """For templates without {% generation %}: the text each assistant turn adds to the rendering of the
     conversation before it (with the generation prompt) is that turn; its tokens are found by character offsets
-    (comparing token ids would misplace the boundary where BPE merges differ at the end of a string)."""
+    (comparing token ids would misplace the boundary where BPE merges differ at the end of a string).
+    `generation_prompt`: the rendering ends with the assistant's generation prompt (a prompt to answer)."""
     def text(msgs, gen):
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    full = text(messages, False)
+    full = text(messages, generation_prompt)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -173,6 +178,26 @@ def render_by_prefix_diff(tokenizer, messages: list[dict]) -> tuple[list[int], l
     mask = [int(any(a <= start and end <= b and end > start for a, b in spans))
             for start, end in encoded["offset_mapping"]]
     return list(encoded["input_ids"]), mask
+
+
+def renderer(tokenizer):
+    """The loss-mask rendering this tokenizer's chat template allows, and its name."""
+    if template_has_generation_markers(tokenizer):
+        return render_with_markers, "generation_markers"
+    return render_by_prefix_diff, "prefix_diff"
+
+
+def parse_row(row, fmt: str, require_assistant: bool = True) -> list[dict] | str:
+    """A read row (or the SkipRow its reading raised) as messages; raises SkipRow with the reason."""
+    if isinstance(row, SkipRow):
+        raise row
+    if _has_surrogates(row):
+        raise SkipRow("invalid_utf8", "the row holds bytes that are not UTF-8")
+    return to_messages(row, fmt, require_assistant)
+
+
+def dedup_key(messages) -> str:
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
 
 
 def render_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
@@ -203,9 +228,7 @@ def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PreparePar
     result = PrepareResult(rows_read=len(rows))
     parsed = [r for _, r in rows if not isinstance(r, SkipRow)]
     result.format = fmt if fmt != "auto" else detect_format(parsed)
-    use_markers = template_has_generation_markers(tokenizer)
-    result.mask_method = "generation_markers" if use_markers else "prefix_diff"
-    render = render_with_markers if use_markers else render_by_prefix_diff
+    render, result.mask_method = renderer(tokenizer)
     order = list(range(len(rows)))
     if settings.shuffle_seed is not None:
         random.Random(settings.shuffle_seed).shuffle(order)
@@ -220,12 +243,8 @@ def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PreparePar
             skip(source_row, "over_limit", f"limit {settings.limit}")
             continue
         try:
-            if isinstance(row, SkipRow):
-                raise row
-            if _has_surrogates(row):
-                raise SkipRow("invalid_utf8", "the row holds bytes that are not UTF-8")
-            messages = to_messages(row, result.format)
-            key = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+            messages = parse_row(row, result.format)
+            key = dedup_key(messages)
             if seen[key] and settings.dedup:
                 raise SkipRow("duplicate", "an identical conversation came earlier")
             occurrence = seen[key]
@@ -273,24 +292,31 @@ def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PreparePa
     result = prepare_rows(rows, tokenizer, settings, fmt, template_key, progress)
     log.info("prepare: %s format, masks from %s", result.format, result.mask_method)
 
-    write_samples(out_dir, result.samples)
+    report = write_prepared(out_dir, result.samples, result.skipped, len(tokenizer), {
+        "source": str(data_path), "format": result.format, "mask_method": result.mask_method,
+        "rows_read": result.rows_read, "settings": {**settings.model_dump(exclude={"out"}), "format": fmt},
+        "tokenizer_sha256": template_key, "identity": identity})
+    return report
+
+
+def write_prepared(out_dir: Path, samples: list[dict], skipped: list[dict], vocab_size: int, report: dict) -> dict:
+    """The prepared layout (samples, token frequencies, skipped rows, then the report, last) from `samples`
+    (SAMPLE_COLUMNS) and `skipped` ({source_row, reason, detail}); `report` holds `rows_read` and what describes
+    the step. Refuses to write a report whose rows do not add up."""
+    write_samples(out_dir, samples)
     freq = Counter()
-    for s in result.samples:
+    for s in samples:
         freq.update(t for t, m in zip(s["input_ids"], s["loss_mask"]) if m)
     atomic_write_json(out_dir / TOKEN_FREQ_FILE, {
-        "vocab_size": len(tokenizer), "total": sum(freq.values()),
+        "vocab_size": vocab_size, "total": sum(freq.values()),
         "counts": {str(t): c for t, c in sorted(freq.items())}})
-    atomic_write_bytes(out_dir / SKIPPED_FILE,
-                                "".join(json.dumps(s) + "\n" for s in result.skipped).encode())
-    report = {
-        "source": str(data_path), "format": result.format, "mask_method": result.mask_method,
-        "rows_read": result.rows_read, "rows_written": len(result.samples), "rows_skipped": len(result.skipped),
-        "skipped_by_reason": dict(sorted(Counter(s["reason"] for s in result.skipped).items())),
-        "num_tokens": sum(s["num_tokens"] for s in result.samples),
-        "num_loss_tokens": sum(s["num_loss_tokens"] for s in result.samples),
-        "settings": {**settings.model_dump(exclude={"out"}), "format": fmt}, "tokenizer_sha256": template_key, "identity": identity,
-        "samples_sha256": sha256_file(out_dir / SAMPLES_FILE)}
+    atomic_write_bytes(out_dir / SKIPPED_FILE, "".join(json.dumps(s) + "\n" for s in skipped).encode())
+    report = {**report, "rows_written": len(samples), "rows_skipped": len(skipped),
+              "skipped_by_reason": dict(sorted(Counter(s["reason"] for s in skipped).items())),
+              "num_tokens": sum(s["num_tokens"] for s in samples),
+              "num_loss_tokens": sum(s["num_loss_tokens"] for s in samples),
+              "samples_sha256": sha256_file(out_dir / SAMPLES_FILE)}
     if report["rows_read"] != report["rows_written"] + report["rows_skipped"]:
-        raise RuntimeError(f"prepare lost rows: {report}")
+        raise RuntimeError(f"{out_dir}: rows lost: {report}")
     atomic_write_json(out_dir / REPORT_FILE, report)
     return report

@@ -12,6 +12,7 @@ from pathlib import Path
 from eagle_states import export as exporting
 from eagle_states import prepare as preparing
 from eagle_states import publish as publishing
+from eagle_states import regenerate as regenerating
 from eagle_states import stopping
 from eagle_states import validate as validating
 from eagle_states.capture.engine import EngineHolder
@@ -21,7 +22,7 @@ from eagle_states.dataset.identity import ModelError, check_weight_files, model_
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.output_lock import output_lock
 from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE
-from eagle_states.extraction.driver import Extraction, kept_shards_line, run_extraction
+from eagle_states.extraction.driver import DatasetExists, Extraction, kept_shards_line, run_extraction
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,76 @@ def prepare(params: PipelineParams, progress: bool = False) -> PrepareOutcome:
                           report["rows_skipped"], report["skipped_by_reason"], report["num_tokens"], reused)
 
 
+# -- regenerate --------------------------------------------------------------------------------------------------
+@dataclass
+class RegenerateOutcome:
+    out: str
+    enabled: bool
+    rows_read: int = 0
+    rows_written: int = 0
+    rows_skipped: int = 0
+    skipped_by_reason: dict | None = None
+    turns_generated: int = 0
+    tokens_generated: int = 0
+    truncated_turns: int = 0
+    shards_captured: int = 0  # shards written while generating (regenerate.capture)
+    reused: bool = False  # the output on disk was made from these inputs: nothing was done
+
+
+def regenerate(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None,
+               on_progress=lambda done, total: None) -> RegenerateOutcome:
+    """Regenerate the assistant turns with the target model (`regenerate.enabled`; off: a report saying so, the
+    output DVC expects), unless the output already matches these inputs. With `regenerate.capture`, the dataset's
+    shards are written while generating (under the output's lock); a finished dataset there is replaced only with
+    `output.overwrite`, since its input cannot be compared before the responses exist. `engines`: the caller's
+    engine holder (a flow run's, shared with the extraction); otherwise one is loaded here if needed and closed."""
+    out = Path(params.regenerate.out)
+    if not params.regenerate.enabled:
+        if not (out / REPORT_FILE).exists() or json.loads((out / REPORT_FILE).read_text()) != \
+                regenerating.DISABLED_REPORT:
+            atomic_write_json(out / REPORT_FILE, regenerating.DISABLED_REPORT)
+        return RegenerateOutcome(str(out), enabled=False, reused=True)
+    ensure_inputs(params)
+    report = regenerating.finished_report(params)
+    if report is not None and params.regenerate.capture and Extraction(params).unfinished():
+        report = None  # the shards captured with it are gone: generate (and capture) again
+    reused = report is not None
+    if not reused:
+        holder = engines or EngineHolder()
+        try:
+            if params.regenerate.capture:
+                with output_lock(Path(params.output.dir)):
+                    _begin_capture_while_generating(params)
+                    report = regenerating.regenerate(params, holder, identity=regenerating.identity(params),
+                                                     progress=progress, on_progress=on_progress)
+            else:
+                report = regenerating.regenerate(params, holder, identity=regenerating.identity(params),
+                                                 progress=progress, on_progress=on_progress)
+        finally:
+            if engines is None:
+                holder.close()
+    return RegenerateOutcome(str(out), True, report["rows_read"], report["rows_written"], report["rows_skipped"],
+                             report["skipped_by_reason"], report["turns_generated"], report["tokens_generated"],
+                             report["truncated_turns"], len(report["shards_captured"]), reused)
+
+
+def _begin_capture_while_generating(params: PipelineParams) -> None:
+    """Before shards are written into `output.dir`: refuse to replace a finished dataset unless asked, then drop
+    its manifest, so that a crash leaves nothing that looks finished."""
+    from eagle_states.dataset import layout
+
+    manifest = Path(params.output.dir) / layout.MANIFEST_FILE
+    if manifest.exists() and not params.output.overwrite:
+        raise DatasetExists(f"{params.output.dir} holds a finished dataset; capturing while regenerating would "
+                            "replace it. Pass --overwrite (output.overwrite) or write to another directory")
+    manifest.unlink(missing_ok=True)
+
+
 # -- extract -----------------------------------------------------------------------------------------------------
+class MissingCapture(RuntimeError):
+    """With regenerate.capture, the extract step found shards that the regenerate step did not write."""
+
+
 @dataclass
 class ExtractOutcome:
     dataset: str
@@ -136,6 +206,11 @@ def open_extraction(params: PipelineParams) -> Extraction:
     """The extraction's plan: the inputs checked, shards planned, room on the disk checked, nothing loaded."""
     check_inputs(params, data=False)
     extraction = Extraction(params)
+    missing = len(extraction.unfinished()) if params.regenerate.capture else 0
+    if missing:  # a prefill would give other bytes than the capture while generating that the settings say
+        raise MissingCapture(f"{params.output.dir}: {missing} of {len(extraction.shards)} shards are not on disk; "
+                             "with regenerate.capture the states are captured while regenerating: run "
+                             "`eagle-states regenerate` (it generates and captures them again)")
     extraction.check_free_space()
     return extraction
 

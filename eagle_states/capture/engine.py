@@ -2,7 +2,8 @@
 collective_rpc) and the typed calls of `protocol.py`.
 
 `CaptureEngine.extract(jobs)` feeds shards to the engine and collects their files, which the workers write while
-the following shards run.
+the following shards run. `CaptureEngine.generate(requests, on_generated)` generates (the regenerate step), and
+captures the requests flagged to capture while they generate.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -17,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from eagle_states.capture import protocol as p
-from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError
+from eagle_states.capture.protocol import GENERATING_KEY, SAMPLE_ID_KEY, CaptureError
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.layout import shard_sample_order
 from eagle_states.dataset.prepared import InputSample
@@ -62,6 +64,67 @@ class ShardResult:
     bytes: int
     num_tokens: dict[str, int]
     path: Path  # the shard's file (names repeat across datasets)
+
+
+@dataclass(frozen=True, eq=False)
+class Generation:
+    """A request to generate: the prompt's token ids, at most `max_new_tokens` tokens, ended by any of `stop_ids`
+    (kept as the last token). `capture`: the states are captured while it generates (prompt and generated tokens)."""
+    key: str  # unique among the requests of one `generate` call
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None  # the request's own generator: the draws do not depend on the batch
+    capture: bool = False
+
+
+@dataclass(frozen=True)
+class Generated:
+    key: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # what it generated; ends with the stop token when `stopped`
+    stopped: bool  # False: cut at max_new_tokens
+
+
+@dataclass
+class FollowUp:
+    """What the caller of `generate` does after a generation: more requests (queued before those not yet
+    added), the sample id that a captured generation's states are kept as (None: they are dropped), and shards of
+    captured samples to write."""
+    requests: list[Generation] = field(default_factory=list)
+    keep_capture_as: str | None = None
+    shards: list["ShardJob"] = field(default_factory=list)
+
+
+class _Running:
+    """A generation in the engine: where its tokens have been looked at for a stop token."""
+
+    __slots__ = ("request", "scanned", "stop_at")
+
+    def __init__(self, request: Generation):
+        self.request, self.scanned, self.stop_at = request, 0, None
+
+    def ended(self, tokens: list[int]) -> Generated | None:
+        """The generation's result once decided. A captured one runs one step past its last token: that step feeds
+        the last token, whose row the sample needs (a generation never feeds its own last token otherwise)."""
+        request = self.request
+        extra = int(request.capture)
+        limit = min(len(tokens), request.max_new_tokens)
+        while self.stop_at is None and self.scanned < limit:
+            if tokens[self.scanned] in request.stop_ids:
+                self.stop_at = self.scanned
+            self.scanned += 1
+        if self.stop_at is not None:
+            end, stopped = self.stop_at + 1, True
+        elif len(tokens) >= request.max_new_tokens:
+            end, stopped = request.max_new_tokens, False
+        else:
+            return None
+        if len(tokens) < end + extra:
+            return None
+        return Generated(request.key, request.prompt_ids, list(tokens[:end]), stopped)
 
 
 def ids_crc(input_ids: list[int]) -> int:
@@ -245,6 +308,78 @@ class CaptureEngine:
                                        f"(tokens, ids crc) = {seen}, the prompt is {expected}")
             yield ShardResult(job.name, report.sha256, report.bytes,
                               {s.sample_id: len(s.input_ids) for s in job.samples}, job.path)
+
+    def generate(self, requests: Iterable[Generation], on_generated: Callable[[Generated | None], FollowUp]
+                 ) -> Iterator[ShardResult]:
+        """Generate `requests` (taken as room frees up) and what `on_generated` asks for after each result; yields
+        the shards of captured samples once their files are on disk. `on_generated(None)` is called once nothing
+        is left to generate (for the last shards). Stop tokens are found here, not by vLLM (`ignore_eos`), so that
+        a captured generation can run the one step more that its last token's row needs; the others are aborted at
+        their stop token.
+
+        Requests are added at points fixed by the results before them (vLLM's engine core runs in this process),
+        so the same requests give the same batches, and with seeded requests the same tokens and bytes."""
+        source, queued = iter(requests), deque()
+        running: dict[str, _Running] = {}
+        room = 2 * self.settings.max_num_seqs  # enough waiting that a freed sequence slot is filled at once
+        try:
+            while True:
+                while len(running) < room:
+                    request = queued.popleft() if queued else next(source, None)
+                    if request is None:
+                        break
+                    self._request_counter += 1
+                    request_id = f"generate:{request.key}:{self._request_counter}"
+                    self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids},
+                                                    self._generation_params(request))
+                    running[request_id] = _Running(request)
+                if not running:
+                    self._follow(on_generated(None), queued)
+                    if not queued:
+                        break
+                    continue
+                for output in self.llm.llm_engine.step():
+                    state = running.get(output.request_id)
+                    if state is None:
+                        continue
+                    result = state.ended(output.outputs[0].token_ids)
+                    if result is None:
+                        if output.finished:
+                            raise CaptureError(f"generation {state.request.key}: vLLM ended it "
+                                               f"({output.outputs[0].finish_reason}) before its end was reached")
+                        continue
+                    del running[output.request_id]
+                    if not output.finished:
+                        self.llm.llm_engine.abort_request([output.request_id])
+                    self._follow(on_generated(result), queued, state.request, result)
+                yield from self._collect(wait=False)
+            yield from self._collect(wait=True)
+        except BaseException:
+            self.reset(list(running))
+            raise
+
+    def _follow(self, follow: FollowUp, queued: deque, request: Generation | None = None,
+                result: Generated | None = None) -> None:
+        if request is not None and request.capture:
+            self._rpc(p.FinishGeneration(key=result.key, sample_id=follow.keep_capture_as,
+                                         num_tokens=len(result.prompt_ids) + len(result.token_ids)))
+        queued.extend(follow.requests)
+        for job in follow.shards:  # its samples are captured already: the writer takes them at once
+            samples = self._in_file_order(job)
+            self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
+                                   num_tokens=[len(s.input_ids) for s in samples],
+                                   loss_masks=[s.loss_mask for s in samples], codec=job.codec))
+            self._rpc(p.EndShard(path=str(job.path)))
+            self._queued[str(job.path)] = job
+            self._reports[str(job.path)] = {}
+
+    def _generation_params(self, request: Generation):
+        from vllm import SamplingParams
+
+        extra = {SAMPLE_ID_KEY: request.key, GENERATING_KEY: True} if request.capture else None
+        return SamplingParams(max_tokens=request.max_new_tokens + int(request.capture), temperature=request.temperature,
+                              top_p=request.top_p, seed=request.seed, ignore_eos=True, detokenize=False,
+                              extra_args=extra)
 
     def capture_stats(self) -> p.StatsReply:
         """The writer rank's counters (`protocol.StatsReply`; the gap before the first pass after each call is

@@ -12,7 +12,9 @@ What it relies on in vLLM (the versions checked are `CHECKED_VLLM_VERSIONS` in t
     order. Each row's place in its prompt comes from the `positions` the model was called with, so chunked
     prefill is reassembled exactly and a gap (prefix caching skipping cached rows) is detected, not hidden.
   * A request's sample id travels in `SamplingParams.extra_args[SAMPLE_ID_KEY]`; requests without it are
-    ignored, and rows at positions >= the prompt length (decode) are never stored.
+    ignored, and rows at positions >= the prompt length (decode) are never stored, except for a request flagged
+    with `GENERATING_KEY` (captured while it generates): its rows are kept until the driver's `FinishGeneration`
+    says how many make the sample (the driver runs it one step past its last token, so that token's row exists).
   * `runner.requests[id].num_computed_tokens` counts the rows computed before this step (host side), so a
     step that holds a prompt's last rows is known when it is launched; `runner.kv_cache_config` gives the KV
     cache's blocks, groups and block size, which the driver needs to admit the next shard early (engine.py).
@@ -37,7 +39,8 @@ import torch
 
 from eagle_states.capture import protocol as p
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
-from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError, UnsupportedModelError, UnsupportedRunnerError
+from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
+                                           UnsupportedRunnerError)
 from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
@@ -171,7 +174,8 @@ class _Capture:
         self.pinned_free: queue.Queue = queue.Queue()
         self.pinned_allocated = 0
         self.lock = threading.Lock()
-        self.partial: dict[str, dict] = {}  # sample id -> chunks being assembled
+        self.partial: dict[str, dict] = {}  # sample id (generating: request key) -> chunks being assembled
+        self.generation_ended: set[str] = set()  # generating requests whose sample is decided: later rows dropped
         self.complete: dict[str, dict] = {}  # sample id -> captured sample, until its shard's writer takes it
         self.sample_ready = threading.Condition()  # the assembler completed a sample, or writing must stop
         self.captured: dict[str, list[int]] = {}  # sample id -> [tokens, ids crc], until its shard's end marker
@@ -181,8 +185,8 @@ class _Capture:
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         # pinned_wait_s: the forward thread blocked on back-pressure; last_hand_off: time.monotonic() of the last
         # captured step (so a caller can tell the time spent draining writes after the last forward pass)
-        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "pinned_wait_s": 0.0, "last_hand_off": 0.0,
-                      "encoded_bytes": 0, "encode_s": 0.0}
+        self.stats = {"steps": 0, "rows": 0, "decode_rows_dropped": 0, "generated_rows": 0, "pinned_wait_s": 0.0,
+                      "last_hand_off": 0.0, "encoded_bytes": 0, "encode_s": 0.0}
         self.clock = _ForwardClock(self.is_cuda)
         self.pending_copy = None  # CUDA: the last captured step, until `_start_copy` moves it to the host
         self.failure: BaseException | None = None
@@ -236,10 +240,10 @@ class _Capture:
                 self.clock.add(started, self.clock.mark())
         runner._model_forward = model_forward
 
-    def _step_requests(self) -> list[tuple[str, int, int, int]]:
-        """(sample id, first row, end row, prompt length) for the captured requests of this step. Samples whose
-        last prompt rows are in this step go to `launched` (from the host's counts: reading the device's
-        positions here would wait for the GPU)."""
+    def _step_requests(self) -> list[tuple[str, int, int, int, bool]]:
+        """(sample id, first row, end row, prompt length, generating) for the captured requests of this step.
+        Samples whose last prompt rows are in this step go to `launched` (from the host's counts: reading the
+        device's positions here would wait for the GPU); generating ones do not: their sample ends later."""
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -249,9 +253,9 @@ class _Capture:
             state = runner.requests[req_id]
             extra = state.sampling_params.extra_args if state.sampling_params else None
             if extra and SAMPLE_ID_KEY in extra:
-                prompt_len = len(state.prompt_token_ids)
-                out.append((extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], prompt_len))
-                if state.num_computed_tokens + starts[i + 1] - starts[i] >= prompt_len:
+                prompt_len, generating = len(state.prompt_token_ids), bool(extra.get(GENERATING_KEY))
+                out.append((extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], prompt_len, generating))
+                if not generating and state.num_computed_tokens + starts[i + 1] - starts[i] >= prompt_len:
                     self.launched.append(extra[SAMPLE_ID_KEY])
         return out
 
@@ -259,7 +263,7 @@ class _Capture:
         """Queue this step's rows for the assembler (on CUDA: stacked on the device, for `_start_copy`)."""
         if positions is None or input_ids is None or positions.dim() != 1:
             raise CaptureError("the capture worker needs 1-D positions and token ids (no M-RoPE, no prompt embeds)")
-        num_rows = max(end for _, _, end, _ in requests)
+        num_rows = max(request[2] for request in requests)
         # positions and token ids live in persistent buffers that the next step overwrites: copy them now
         positions, input_ids = positions[:num_rows].clone(), input_ids[:num_rows].clone()
         states = None
@@ -336,7 +340,8 @@ class _Capture:
 
     # -- assembly (off the forward path) ------------------------------------------------------------------------
     def _assemble_loop(self):
-        handlers = {"step": self._assemble, "begin": self._begin_shard, "end": self._end_shard}
+        handlers = {"step": self._assemble, "begin": self._begin_shard, "end": self._end_shard,
+                    "finish": self._finish_generation}
         while True:
             item = self.work.get()
             try:
@@ -357,10 +362,10 @@ class _Capture:
         if event is not None:
             event.synchronize()
         positions = positions.tolist()
-        for sample_id, start, end, prompt_len in requests:
+        for sample_id, start, end, prompt_len, generating in requests:
             first = positions[start]
-            if first >= prompt_len:  # decode rows: never stored
-                self.stats["decode_rows_dropped"] += end - start
+            if generating and sample_id in self.generation_ended or not generating and first >= prompt_len:
+                self.stats["decode_rows_dropped"] += end - start  # decode rows: never stored
                 continue
             sample = self.partial.get(sample_id)
             if sample is None:
@@ -372,12 +377,16 @@ class _Capture:
                 sample = self.partial[sample_id] = {"next": 0, "ids": [], "chunks": [], "blocks": []}
             elif first != sample["next"]:
                 raise CaptureError(f"sample {sample_id}: rows resume at position {first}, expected {sample['next']}")
-            keep = min(end, start + prompt_len - first)  # decode rows are never stored
+            keep = end if generating else min(end, start + prompt_len - first)  # decode rows are never stored
             self.stats["decode_rows_dropped"] += end - keep
             if positions[keep - 1] - first != keep - 1 - start:
                 raise CaptureError(f"sample {sample_id}: positions of a chunk are not contiguous")
             sample["ids"].append(input_ids[start:keep].clone())
-            if states is not None:
+            if states is not None and generating:
+                # copied out of the step: a generating sample lives for hundreds of steps, and views would keep
+                # every step's pinned block (sized for a whole step) from going back to the pool
+                sample["chunks"].append([s[start:keep].clone() for s in states])
+            elif states is not None:
                 sample["chunks"].append([s[start:keep] for s in states])  # views: no copy
                 if block is not None:
                     with self.lock:
@@ -385,13 +394,41 @@ class _Capture:
                     sample["blocks"].append(block)
             sample["next"] += keep - start
             self.stats["rows"] += keep - start
-            if sample["next"] == prompt_len:
+            if generating:  # rows of generated tokens (positions past the prompt)
+                self.stats["generated_rows"] += max(0, first + keep - start - max(prompt_len, first))
+            if not generating and sample["next"] == prompt_len:
                 del self.partial[sample_id]
                 sample["ids"] = torch.cat(sample["ids"])
                 self.captured[sample_id] = [len(sample["ids"]), zlib.crc32(sample["ids"].numpy().tobytes())]
                 with self.sample_ready:
                     self.complete[sample_id] = sample
                     self.sample_ready.notify_all()
+
+    def _finish_generation(self, key: str, sample_id: str | None, num_tokens: int):
+        """A generating request's sample is decided: its first `num_tokens` rows, kept as `sample_id` (or dropped)."""
+        sample = self.partial.pop(key, None)
+        self.generation_ended.add(key)
+        if sample is None:
+            raise CaptureError(f"generation {key}: finished, but none of its rows were captured")
+        if sample_id is None:
+            self._forget(sample)
+            return
+        if sample["next"] < num_tokens:
+            raise CaptureError(f"generation {key} (sample {sample_id}): {sample['next']} rows captured, the sample "
+                               f"has {num_tokens} tokens")
+        if sample_id in self.captured or sample_id in self.complete:
+            raise CaptureError(f"sample {sample_id}: captured twice")
+        ids, chunks, rows = torch.cat(sample["ids"])[:num_tokens], [], 0
+        for chunk in sample["chunks"] if self.writer else []:  # rows past the sample's end (one step) go
+            take = min(chunk[0].shape[0], num_tokens - rows)
+            if take > 0:
+                chunks.append([s[:take] for s in chunk])
+            rows += take
+        sample.update(ids=ids, chunks=chunks)
+        self.captured[sample_id] = [len(ids), zlib.crc32(ids.numpy().tobytes())]
+        with self.sample_ready:
+            self.complete[sample_id] = sample
+            self.sample_ready.notify_all()
 
     def _begin_shard(self, path: str, sample_ids: list[str], num_tokens: list[int], loss_masks: list[list[int]],
                      codec: Codec):
@@ -488,6 +525,14 @@ class _Capture:
         self.work.put(("end", call.path))
         return p.Queued(path=call.path)
 
+    def finish_generation(self, call: p.FinishGeneration) -> p.GenerationQueued:
+        """Queue a generating request's end behind the steps already captured (its last row's step); returns at
+        once."""
+        self._raise_failure()
+        self._start_copy()
+        self.work.put(("finish", call.key, call.sample_id, call.num_tokens))
+        return p.GenerationQueued(key=call.key)
+
     def poll(self, call: p.Poll) -> p.PollReply:
         """Shards that are done (the file's hash and size from the writer rank only), and the samples whose last
         rows were launched since the last poll. `wait` blocks until every ended shard is done."""
@@ -535,6 +580,7 @@ class _Capture:
         self.complete.clear()
         self.captured.clear()
         self.launched.clear()
+        self.generation_ended.clear()
         self.open_shards.clear()
         self.finished.clear()
         self.stopping, self.failure = False, None
@@ -574,8 +620,9 @@ class CaptureWorkerExtension:
         cap: _Capture = getattr(self, "_eagle_capture", None)
         if cap is None:
             raise CaptureError(f"{type(call).__name__} before Setup")
-        handler = {p.BeginShard: cap.begin_shard, p.EndShard: cap.end_shard, p.Poll: cap.poll,
-                   p.Stats: cap.stats_reply, p.Discard: cap.discard}[type(call)]
+        handler = {p.BeginShard: cap.begin_shard, p.EndShard: cap.end_shard,
+                   p.FinishGeneration: cap.finish_generation, p.Poll: cap.poll, p.Stats: cap.stats_reply,
+                   p.Discard: cap.discard}[type(call)]
         return self._eagle_envelope(handler(call))
 
     def _eagle_envelope(self, payload: p.Message) -> p.Envelope:

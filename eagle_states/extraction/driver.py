@@ -74,6 +74,8 @@ class DatasetExists(ValueError):
 # The codec settings of a dataset stored without a codec (its level means nothing then: changing it recomputes
 # nothing), and of one made before codecs existed.
 NO_CODEC_SETTINGS = {"extract.codec": "none", "extract.codec_level": None}
+# What a manifest made before a setting existed means by its absence.
+EARLIER_DEFAULTS = {**NO_CODEC_SETTINGS, "regenerate.capture": False}
 
 
 def _short(value) -> str:
@@ -81,17 +83,39 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+class ShardPacker:
+    """Consecutive samples packed up to `shard_max_tokens` tokens (a longer sample gets a shard of its own), one
+    sample at a time: what `plan_shards` does to a whole input, and what a capture while generating does as its
+    samples are decided, so that both give the same shards."""
+
+    def __init__(self, shard_max_tokens: int):
+        self.shard_max_tokens = shard_max_tokens
+        self.group: list[InputSample] = []
+        self.tokens = 0
+        self.count = 0
+
+    def add(self, sample: InputSample) -> PlannedShard | None:
+        """Adds the sample; returns the shard it closes (the one before it), if any."""
+        closed = None
+        if self.group and self.tokens + len(sample.input_ids) > self.shard_max_tokens:
+            closed = self.close()
+        self.group.append(sample)
+        self.tokens += len(sample.input_ids)
+        return closed
+
+    def close(self) -> PlannedShard | None:
+        """The open shard, closed; None if it is empty."""
+        if not self.group:
+            return None
+        shard = PlannedShard(layout.shard_name(self.count), self.group, input_hash(self.group))
+        self.group, self.tokens, self.count = [], 0, self.count + 1
+        return shard
+
+
 def plan_shards(samples: list[InputSample], shard_max_tokens: int) -> list[PlannedShard]:
-    """Consecutive samples packed up to `shard_max_tokens` tokens (a longer sample gets a shard of its own)."""
-    groups: list[list[InputSample]] = [[]]
-    tokens = 0
-    for sample in samples:
-        if groups[-1] and tokens + len(sample.input_ids) > shard_max_tokens:
-            groups.append([])
-            tokens = 0
-        groups[-1].append(sample)
-        tokens += len(sample.input_ids)
-    return [PlannedShard(layout.shard_name(i), group, input_hash(group)) for i, group in enumerate(groups)]
+    packer = ShardPacker(shard_max_tokens)
+    shards = [shard for sample in samples if (shard := packer.add(sample)) is not None]
+    return shards + [packer.close()] if samples else shards
 
 
 def resolved_dtype(model_dir: Path, dtype: str) -> str:
@@ -119,6 +143,7 @@ class CaptureConfig:
         self.dtype = resolved_dtype(Path(params.model.path), params.extract.dtype)
         e = params.extract
         self.codec = Codec(e.codec, e.codec_level, e.codec_threads)
+        self.out = Path(params.output.dir)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
                               "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {})}
         self.config_hash = hash_json({
@@ -127,6 +152,28 @@ class CaptureConfig:
             "codec": self.codec.record()})  # with the codec library's version
         # an engine also needs room for the longest prompt it is given
         self.serving_key = hash_json({"config": self.config_hash, "max_model_len": params.extract.max_model_len})
+
+    def cache_key(self, shard: "PlannedShard") -> str:
+        """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
+        the byte-deciding settings, format, capture code). No run id, no path."""
+        return hash_json({"shard": shard.name, "content": shard.content_hash, "config": self.config_hash})
+
+    def job(self, shard: PlannedShard) -> ShardJob:
+        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples, self.codec)
+
+    def write_receipt(self, shard: PlannedShard, result: ShardResult) -> dict:
+        """The receipt that marks a shard finished (its file's hash and size, the keys it was made under)."""
+        receipt = {
+            "shard": shard.name, "sha256": result.sha256, "bytes": result.bytes, "config_hash": self.config_hash,
+            "content_hash": shard.content_hash,
+            "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
+                         "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
+                        for s in shard.samples]}
+        # Not fsynced here (finalize does it): this runs between engine steps, and an fsync there waits for the
+        # filesystem journal and with it for the shard data other writers have in flight, while the GPU idles.
+        # A receipt lost to a power cut only means its shard is computed again.
+        atomic_write_json(layout.receipt_path(self.out, shard.name), receipt, durable=False)
+        return receipt
 
     def engine_settings(self) -> EngineSettings:
         e = self.params.extract
@@ -143,7 +190,6 @@ class Extraction(CaptureConfig):
 
     def __init__(self, params: PipelineParams):
         super().__init__(params)
-        self.out = Path(params.output.dir)
         self.samples = load_input(Path(params.extract_input), self.model["vocab_size"],
                                   params.extract.max_model_len - 1, params.validate_.min_loss_tokens)
         self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
@@ -166,17 +212,12 @@ class Extraction(CaptureConfig):
                 "dtype": self.dtype, "engine": self.byte_settings, "input_sha256": input_hash(self.samples)}
         theirs = {"model": {k: v for k, v in manifest.get("model", {}).items() if k != "path"},
                   **{key: manifest.get(key) for key in ours if key != "model"}}
-        theirs["engine"] = {**NO_CODEC_SETTINGS, **(theirs["engine"] or {})}  # made before codecs: none
+        theirs["engine"] = {**EARLIER_DEFAULTS, **(theirs["engine"] or {})}
         differ = [key for key in ours if ours[key] != theirs[key]]
         if differ:
             detail = "; ".join(f"{key}: {_short(theirs[key])} there, {_short(ours[key])} now" for key in differ)
             raise DatasetExists(f"{self.out} holds a finished dataset made differently ({detail}). Pass --overwrite "
                                 "(output.overwrite) to replace it, or write to another directory")
-
-    def cache_key(self, shard: "PlannedShard") -> str:
-        """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
-        the byte-deciding settings, format, capture code). No run id, no path."""
-        return hash_json({"shard": shard.name, "content": shard.content_hash, "config": self.config_hash})
 
     # -- per shard ---------------------------------------------------------------------------------------------
     def receipt(self, shard: PlannedShard) -> dict | None:
@@ -242,20 +283,8 @@ class Extraction(CaptureConfig):
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)
 
-    def job(self, shard: PlannedShard) -> ShardJob:
-        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples, self.codec)
-
     def record(self, shard: PlannedShard, result: ShardResult) -> dict:
-        receipt = {
-            "shard": shard.name, "sha256": result.sha256, "bytes": result.bytes, "config_hash": self.config_hash,
-            "content_hash": shard.content_hash,
-            "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
-                         "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
-                        for s in shard.samples]}
-        # Not fsynced here (finalize does it): this runs between engine steps, and an fsync there waits for the
-        # filesystem journal and with it for the shard data other writers have in flight, while the GPU idles.
-        # A receipt lost to a power cut only means its shard is computed again.
-        atomic_write_json(layout.receipt_path(self.out, shard.name), receipt, durable=False)
+        receipt = self.write_receipt(shard, result)
         first_measured = self.codec.enabled and self.measured_codec_ratio() is None
         self._intact[shard.name] = receipt  # its hash was computed from the bytes as they were written
         if first_measured:
