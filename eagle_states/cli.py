@@ -64,6 +64,24 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    from eagle_states import stages
+
+    params = _load(args, **{"regenerate.out": args.regenerated_out, "output.dir": args.dataset,
+                            "regenerate.enabled": True if args.enable or args.capture else None,
+                            "regenerate.capture": True if args.capture else None,
+                            "regenerate.max_new_tokens": args.max_new_tokens,
+                            "regenerate.temperature": args.temperature, "regenerate.seed": args.seed})
+    outcome = stages.regenerate(params, progress=not args.no_progress)
+    _print(outcome)
+    if not outcome.enabled:
+        print("regenerate.enabled is false: nothing regenerated (pass --enable, or set it in params.yaml)")
+    elif outcome.rows_skipped:
+        log.warning("%d input rows were skipped; each with its reason in %s/skipped.jsonl", outcome.rows_skipped,
+                    outcome.out)
+    return 0
+
+
 def cmd_extract(args) -> int:
     from eagle_states import stages
 
@@ -144,8 +162,8 @@ def cmd_run(args) -> int:
     from eagle_states.run_report import render_text
 
     # a run into another directory keeps its working files beside it, not in the default dataset's
-    beside = {"prepare.out": f"{args.out}.prepared", "validate.report": f"{args.out}.validation.json"} \
-        if args.out else {}
+    beside = {"prepare.out": f"{args.out}.prepared", "regenerate.out": f"{args.out}.regenerated",
+              "validate.report": f"{args.out}.validation.json"} if args.out else {}
     params = _load(args, **{"output.dir": args.out, **beside})
     stages.ensure_inputs(params)  # before the Prefect server starts: a wrong path fails in a second
     with output_lock(Path(params.output.dir)):  # a second run on this output is refused before it starts anything
@@ -160,17 +178,19 @@ def cmd_run(args) -> int:
                                f"{os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS']} s on this machine: "
                                "start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api, "
                                "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
+    made_input = result["regenerate"] or result["prepare"]  # the step that made the extraction's input
     if args.json:
         print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
                           "tokens": result["extract"]["num_tokens"], "layer_ids": result["extract"]["layer_ids"],
                           "cache_hits": result["cache_hits"], "computed": result["computed"],
-                          "repaired": result["repaired"], "rows_skipped": result["prepare"]["rows_skipped"],
+                          "repaired": result["repaired"], "rows_skipped": made_input["rows_skipped"],
                           "valid": result["validation"]["valid"], "stage_seconds": result["stage_seconds"],
                           "manifest_sha256": result["manifest_sha256"], "workers": result["workers"]}))
     else:
-        if result["prepare"]["rows_skipped"]:
-            log.warning("%d input rows were skipped in preparation; each with its reason in %s/skipped.jsonl",
-                        result["prepare"]["rows_skipped"], result["prepare"]["out"])
+        if made_input["rows_skipped"]:
+            log.warning("%d input rows were skipped in %s; each with its reason in %s/skipped.jsonl",
+                        made_input["rows_skipped"], "regeneration" if result["regenerate"] else "preparation",
+                        made_input["out"])
         print(render_text(result))
     return 0
 
@@ -291,11 +311,29 @@ def build_parser() -> argparse.ArgumentParser:
     progress_flag(p)
     p.set_defaults(func=cmd_prepare)
 
+    p = sub.add_parser("regenerate", help="replace the assistant turns by the target model's own replies "
+                                          "(when regenerate.enabled), optionally capturing the states meanwhile")
+    params_flag(p)
+    p.add_argument("--data", help="conversations, as for prepare (default: data.path)")
+    model_flag(p)
+    p.add_argument("--out", dest="regenerated_out", help="output directory (default: regenerate.out)")
+    p.add_argument("--enable", action="store_true", help="regenerate even if regenerate.enabled is false")
+    p.add_argument("--capture", action="store_true", help="capture the states while generating the last turns, into "
+                   "--dataset (regenerate.capture; implies --enable)")
+    p.add_argument("--dataset", help="dataset directory for --capture (default: output.dir)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per turn (default: regenerate.max_new_tokens)")
+    p.add_argument("--temperature", type=float, help="0: greedy (default: regenerate.temperature)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: regenerate.seed)")
+    layer_flags(p)
+    overwrite_flag(p)
+    progress_flag(p)
+    p.set_defaults(func=cmd_regenerate)
+
     p = sub.add_parser("extract", help="capture hidden states of prepared prompts into a dataset directory")
     params_flag(p)
     model_flag(p)
     p.add_argument("--input", help="prepared directory or JSONL of {id, input_ids, loss_mask} "
-                                   "(default: extract.input, else prepare.out)")
+                                   "(default: extract.input, else regenerate.out when enabled, else prepare.out)")
     p.add_argument("--out", help="dataset directory (default: output.dir)")
     layer_flags(p)
     overwrite_flag(p)

@@ -62,7 +62,9 @@ def render_markdown(*, dataset: str, manifest: dict, validation: dict, outcomes:
 
 def render_text(result: dict) -> str:
     """The end of `eagle-states run` on the terminal: what was done, the counts, speed, time, where things are."""
-    extract, prepared, validation = result["extract"], result["prepare"], result["validation"]
+    extract, validation = result["extract"], result["validation"]
+    prepared = result["regenerate"] or result["prepare"]  # the step that made the extraction's input
+    made = "regenerated" if result["regenerate"] else "prepared"
     stages = result["stage_seconds"]
     lines = [f"{result['dataset']}: {extract['num_samples']:,} samples, {extract['num_tokens']:,} tokens "
              f"({extract['num_loss_tokens']:,} loss tokens), layers {extract['layer_ids']} ({extract['dtype']}), "
@@ -73,12 +75,18 @@ def render_text(result: dict) -> str:
     if result["computed"] and stages.get("extract"):
         lines.append(f"  speed        {result['computed_tokens'] / stages['extract']:,.0f} tokens/s over the computed "
                      "shards")
-    lines.append(f"  prepared     {prepared['rows_written']:,} of {prepared['rows_read']:,} rows"
+    regenerated = result["regenerate"]
+    if regenerated and not regenerated["reused"]:
+        lines.append(f"  regenerated  {regenerated['turns_generated']:,} turns, {regenerated['tokens_generated']:,} "
+                     f"tokens ({regenerated['truncated_turns']:,} turns cut at their limit)"
+                     + (f"; {regenerated['shards_captured']} shards captured while generating"
+                        if regenerated["shards_captured"] else ""))
+    lines.append(f"  {made:<12} {prepared['rows_written']:,} of {prepared['rows_read']:,} rows"
                  + (f"; {prepared['rows_skipped']:,} skipped "
                     f"({', '.join(f'{k}: {v}' for k, v in prepared['skipped_by_reason'].items())}), reasons per row "
                     f"in {prepared['out']}/skipped.jsonl" if prepared["rows_skipped"] else ""))
     lines.append("  time         " + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()))
-    lines.append(f"  outputs      dataset {result['dataset']}, prepared {prepared['out']}, "
+    lines.append(f"  outputs      dataset {result['dataset']}, {made} {prepared['out']}, "
                  f"validation report {result['validation_report']}"
                  + "".join(f", {e['format']} {e['out']}" for e in result["exports"]))
     return "\n".join(lines)

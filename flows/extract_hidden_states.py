@@ -1,5 +1,5 @@
-"""The pipeline flow: prepare -> extract (a task per shard, on the flow run's engine or on engine workers) ->
-validate -> export -> publish."""
+"""The pipeline flow: prepare (or regenerate, on the engine the shards use) -> extract (a task per shard, on the
+flow run's engine or on engine workers) -> validate -> export -> publish."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.local_workers import compute_on_workers, uses_engine_workers
 from tasks.prepare import prepare_task
 from tasks.publish import publish_task
-from tasks.session import Session, extraction_session
+from tasks.regenerate import regenerate_task
+from tasks.session import Session, extraction_session, flow_engines
 from tasks.shard_work import JsonRecordSerializer, results_storage
 from tasks.validate import validate_task
 
@@ -65,18 +66,24 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     stages: dict[str, float] = {}
     with output_lock(Path(params.output.dir)), \
             stopping.on_stop(callback=report_stopped, describe=lambda: kept_shards_line(params.output.dir)):
-        with timed(stages, "prepare"):
-            prepared = prepare_task(params)
         progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
-        with timed(stages, "extract"), \
-                extraction_session(params, engine_factory, lambda state: update_progress_artifact(
-                    progress, 0.0, description=state)) as session:
-            outcomes = compute_shards(session, params, progress)
-            extracted = finalize_dataset_task(session.key)
-            lengths = [len(s.input_ids) for s in session.extraction.samples]
-        if session.slot_wait_s:  # waiting for another run's GPU is not extraction time
-            stages["gpu_slot_wait"] = sum(session.slot_wait_s)
-            stages["extract"] -= stages["gpu_slot_wait"]
+        prepared = regenerated = None
+        with flow_engines(engine_factory, lambda state: update_progress_artifact(
+                progress, 0.0, description=state)) as engines:
+            if params.regenerate.enabled:  # its output is the extraction's input; one engine for both
+                with timed(stages, "regenerate"):
+                    regenerated = regenerate_task(params, engines.key)
+            else:
+                with timed(stages, "prepare"):
+                    prepared = prepare_task(params)
+            with timed(stages, "extract"), extraction_session(params, engines) as session:
+                outcomes = compute_shards(session, params, progress)
+                extracted = finalize_dataset_task(session.key)
+                lengths = [len(s.input_ids) for s in session.extraction.samples]
+        if engines.slot_wait_s:  # waiting for another run's GPU is not extraction (or regeneration) time
+            stages["gpu_slot_wait"] = sum(engines.slot_wait_s)
+            loaded_in = "regenerate" if regenerated is not None and not regenerated.reused else "extract"
+            stages[loaded_in] -= stages["gpu_slot_wait"]
         with timed(stages, "validate"):
             summary = validate_task(params)
         exports = [export_task(params, fmt) for fmt in params.export.formats]
@@ -87,7 +94,8 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
                              manifest_sha256=manifest_sha256)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
     return {"dataset": params.output.dir, "model": params.model.path, "manifest_sha256": manifest_sha256,
-            "prepare": asdict(prepared), "extract": asdict(extracted), "validation": summary,
+            "prepare": asdict(prepared) if prepared else None,
+            "regenerate": asdict(regenerated) if regenerated else None, "extract": asdict(extracted), "validation": summary,
             "validation_report": params.validate_.report,
             "exports": [asdict(e) for e in exports], "published": asdict(published) if published else None,
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes),

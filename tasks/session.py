@@ -1,9 +1,10 @@
-"""What a flow run keeps in memory between its shard tasks: the extraction plan, the shard stream and the one
-engine holder (tasks receive the session key, a string, so that nothing large passes through Prefect).
+"""What a flow run keeps in memory between its tasks: the one engine holder (`FlowEngines`: regeneration and the
+shards share it) and the extraction plan with its shard stream (`Session`). Tasks receive their keys, strings, so
+that nothing large passes through Prefect.
 
 The engine is created by the first task that needs it, with the factory the flow was given, held under the
 `gpu-engine` global concurrency limit when the server has one (one run per GPU at a time), and closed when the
-flow run leaves the session.
+flow run leaves `flow_engines`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ GPU_SLOT_LEASE_S = 60.0
 WAIT_NOTICE_S = 2.0  # a slot not had within this is waited for with a log line that says why
 log = logging.getLogger("eagle_states.session")
 _SESSIONS: dict[str, "Session"] = {}  # the flow run's sessions, by key: how its in-process tasks find them
+_ENGINES: dict[str, "FlowEngines"] = {}  # likewise its engine holders
+
+
+@dataclass
+class FlowEngines:
+    """A flow run's one engine holder, the GPU slot it holds once the engine is created, and the waits for it."""
+    key: str
+    holder: RestartingEngines
+    guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    slot_wait_s: list[float] = field(default_factory=list)  # waits for the `gpu-engine` slot, where it exists
 
 
 @dataclass
@@ -35,8 +46,6 @@ class Session:
     extraction: Extraction
     engines: RestartingEngines
     stream: ShardStream
-    guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    slot_wait_s: list[float] = field(default_factory=list)  # waits for the `gpu-engine` slot, where it exists
 
     @property
     def shard_names(self) -> list[str]:
@@ -100,24 +109,40 @@ def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextl
 
 
 @contextlib.contextmanager
-def extraction_session(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine],
-                       on_engine: Callable[[str], None] = lambda state: None):
-    """`on_engine(state)` hears when the model starts loading and when it is loaded (the UI's progress)."""
+def flow_engines(engine_factory: Callable[[EngineSettings], CaptureEngine],
+                 on_engine: Callable[[str], None] = lambda state: None):
+    """The flow run's engine holder, for every task that needs the model (no model is loaded until one does);
+    `on_engine(state)` hears when the model starts loading and when it is loaded (the UI's progress)."""
     guard, waits = contextlib.ExitStack(), []
+    engines = FlowEngines(uuid.uuid4().hex, RestartingEngines(_guarded(engine_factory, guard, waits, on_engine)),
+                          guard, waits)
+    _ENGINES[engines.key] = engines
+    try:
+        yield engines
+    finally:
+        _ENGINES.pop(engines.key, None)
+        try:
+            engines.holder.close()
+        finally:
+            guard.close()
+
+
+@contextlib.contextmanager
+def extraction_session(params: PipelineParams, engines: FlowEngines):
+    """The extraction's plan and shard stream, on the flow run's engine holder."""
     extraction = stages.open_extraction(params)
-    engines = RestartingEngines(_guarded(engine_factory, guard, waits, on_engine))
-    session = Session(uuid.uuid4().hex, extraction, engines, ShardStream(extraction, engines), guard, waits)
+    session = Session(uuid.uuid4().hex, extraction, engines.holder, ShardStream(extraction, engines.holder))
     _SESSIONS[session.key] = session
     try:
         yield session
     finally:
         _SESSIONS.pop(session.key, None)
-        try:
-            session.stream.close()
-            session.engines.close()
-        finally:
-            guard.close()
+        session.stream.close()
 
 
 def get_session(key: str) -> Session:
     return _SESSIONS[key]
+
+
+def get_engines(key: str) -> FlowEngines:
+    return _ENGINES[key]

@@ -331,7 +331,7 @@ class CaptureEngine:
                     self._request_counter += 1
                     request_id = f"generate:{request.key}:{self._request_counter}"
                     self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids},
-                                                    self._generation_params(request))
+                                                    self._generation_params(request, request_id))
                     running[request_id] = _Running(request)
                 if not running:
                     self._follow(on_generated(None), queued)
@@ -351,17 +351,17 @@ class CaptureEngine:
                     del running[output.request_id]
                     if not output.finished:
                         self.llm.llm_engine.abort_request([output.request_id])
-                    self._follow(on_generated(result), queued, state.request, result)
+                    self._follow(on_generated(result), queued, output.request_id, state.request, result)
                 yield from self._collect(wait=False)
             yield from self._collect(wait=True)
         except BaseException:
             self.reset(list(running))
             raise
 
-    def _follow(self, follow: FollowUp, queued: deque, request: Generation | None = None,
-                result: Generated | None = None) -> None:
+    def _follow(self, follow: FollowUp, queued: deque, request_id: str | None = None,
+                request: Generation | None = None, result: Generated | None = None) -> None:
         if request is not None and request.capture:
-            self._rpc(p.FinishGeneration(key=result.key, sample_id=follow.keep_capture_as,
+            self._rpc(p.FinishGeneration(key=request_id, sample_id=follow.keep_capture_as,
                                          num_tokens=len(result.prompt_ids) + len(result.token_ids)))
         queued.extend(follow.requests)
         for job in follow.shards:  # its samples are captured already: the writer takes them at once
@@ -373,10 +373,12 @@ class CaptureEngine:
             self._queued[str(job.path)] = job
             self._reports[str(job.path)] = {}
 
-    def _generation_params(self, request: Generation):
+    def _generation_params(self, request: Generation, request_id: str):
         from vllm import SamplingParams
 
-        extra = {SAMPLE_ID_KEY: request.key, GENERATING_KEY: True} if request.capture else None
+        # the worker keeps a captured generation's rows under its request id (unique for the engine's life) until
+        # `FinishGeneration` names its sample
+        extra = {SAMPLE_ID_KEY: request_id, GENERATING_KEY: True} if request.capture else None
         return SamplingParams(max_tokens=request.max_new_tokens + int(request.capture), temperature=request.temperature,
                               top_p=request.top_p, seed=request.seed, ignore_eos=True, detokenize=False,
                               extra_args=extra)

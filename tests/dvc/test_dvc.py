@@ -59,11 +59,12 @@ def repo(tmp_path_factory):
 
 def test_repro_runs_the_whole_pipeline(repo):
     repo, _, out = repo
-    for stage in ("inputs", "prepare", "extract", "validate", "export"):
+    for stage in ("inputs", "prepare", "regenerate", "extract", "validate", "export"):
         assert f"Running stage '{stage}'" in out
     assert json.loads((repo / "work" / "validation.json").read_text())["valid"]
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"inputs", "prepare", "extract", "validate", "export"}
+    assert set(lock["stages"]) == {"inputs", "prepare", "regenerate", "extract", "validate", "export"}
+    assert json.loads((repo / "work" / "regenerated" / "report.json").read_text()) == {"enabled": False}
     manifest = json.loads((repo / "work" / "dataset" / "manifest.json").read_text())
     assert json.loads((repo / "work" / "exports" / "speculators" / "export.json").read_text())[
         "samples"] == manifest["num_samples"]
@@ -72,7 +73,7 @@ def test_repro_runs_the_whole_pipeline(repo):
 def test_second_repro_does_nothing(repo):
     repo, _, _ = repo
     out = sh("dvc", "repro", cwd=repo).stdout
-    for stage in ("prepare", "extract", "validate"):
+    for stage in ("prepare", "regenerate", "extract", "validate"):
         assert f"Running stage '{stage}'" not in out, out
 
 

@@ -1,0 +1,29 @@
+"""Regenerate task: the assistant turns replaced by the target model's replies, on the flow run's engine (the
+one its shards use), with progress in the UI; skips itself when its output matches its inputs."""
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+from eagle_states import stages
+from eagle_states.config import PipelineParams
+from tasks.retry import transient_only
+from tasks.session import get_engines
+
+
+@task(name="regenerate", task_run_name="regenerate", tags=["eagle-states", "regenerate"], retries=1,
+      retry_delay_seconds=5, retry_condition_fn=transient_only)
+def regenerate_task(params: PipelineParams, engines_key: str) -> stages.RegenerateOutcome:
+    engines = get_engines(engines_key).holder
+    progress = create_progress_artifact(0.0, key="regeneration-progress", description="conversations regenerated")
+    shown = [0.0]
+
+    def on_progress(done: int, total: int):
+        percent = 100.0 * done / total
+        if percent >= shown[0] + 1 or done == total and percent > shown[0]:  # a call per percent, not per reply
+            shown[0] = percent
+            update_progress_artifact(progress, percent)
+    try:
+        return stages.regenerate(params, engines=engines, on_progress=on_progress)
+    except Exception as exc:
+        engines.restart_if_dead(exc)  # a dead engine is replaced before the retry
+        raise
