@@ -221,3 +221,29 @@ def test_a_dead_engine_is_restarted_once_and_the_shard_retried(tmp_path, llama_m
     assert engines_created == 2  # the first engine, and one restart
     assert result["computed"] == 5 and result["validation"]["valid"]
 
+
+
+# -- regeneration in the flow: one engine for regenerating and capturing --------------------------------------------
+def regenerating(params: PipelineParams, tmp_path, capture: bool) -> PipelineParams:
+    return params.override({"regenerate.enabled": True, "regenerate.capture": capture,
+                            "regenerate.max_new_tokens": 16, "regenerate.out": str(tmp_path / "regenerated"),
+                            "output.dir": str(tmp_path / "dataset"), "output.prefect_results": str(tmp_path / "r")})
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["regenerate-then-capture", "capture-while-generating"])
+def test_regeneration_shares_the_runs_one_engine_and_a_rerun_is_fully_cached(tmp_path, llama_model, capture):
+    params = regenerating(pipeline_params(tmp_path, llama_model), tmp_path, capture)
+    result, engines_created = run_flow_with(CaptureEngine, params)
+    assert engines_created == 1  # regeneration and the shards on one model load
+    regenerated = result["regenerate"]
+    assert result["prepare"] is None and not regenerated["reused"] and regenerated["rows_written"] == 20
+    assert regenerated["turns_generated"] >= 20 and result["validation"]["valid"]
+    shards = len(read_manifest(tmp_path / "dataset")["shards"])
+    assert regenerated["shards_captured"] == (shards if capture else 0)
+    assert result["computed"] == (0 if capture else shards)  # captured while generating: extract only finalizes
+    assert read_manifest(tmp_path / "dataset")["engine"]["regenerate.capture"] is capture
+
+    again, engines_created = run_flow_with(CaptureEngine, params)
+    assert engines_created == 0
+    assert again["regenerate"]["reused"] and again["computed"] == 0 and again["cache_hits"] == shards
+    assert again["manifest_sha256"] == result["manifest_sha256"]
