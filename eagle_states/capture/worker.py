@@ -362,6 +362,7 @@ class _Capture:
         if event is not None:
             event.synchronize()
         positions = positions.tolist()
+        generated = self._copy_generating_rows(requests, input_ids, states)
         for sample_id, start, end, prompt_len, generating in requests:
             first = positions[start]
             if generating and sample_id in self.generation_ended or not generating and first >= prompt_len:
@@ -381,12 +382,14 @@ class _Capture:
             self.stats["decode_rows_dropped"] += end - keep
             if positions[keep - 1] - first != keep - 1 - start:
                 raise CaptureError(f"sample {sample_id}: positions of a chunk are not contiguous")
-            sample["ids"].append(input_ids[start:keep].clone())
-            if states is not None and generating:
-                # copied out of the step: a generating sample lives for hundreds of steps, and views would keep
-                # every step's pinned block (sized for a whole step) from going back to the pool
-                sample["chunks"].append([s[start:keep].clone() for s in states])
-            elif states is not None:
+            if generating:
+                ids, chunk = generated[sample_id]
+                sample["ids"].append(ids)
+                if chunk is not None:
+                    sample["chunks"].append(chunk)
+            else:
+                sample["ids"].append(input_ids[start:keep].clone())
+            if states is not None and not generating:
                 sample["chunks"].append([s[start:keep] for s in states])  # views: no copy
                 if block is not None:
                     with self.lock:
@@ -404,6 +407,25 @@ class _Capture:
                     self.complete[sample_id] = sample
                     self.sample_ready.notify_all()
 
+    def _copy_generating_rows(self, requests, input_ids, states) -> dict:
+        """The rows of this step's generating requests, copied out of the step in one gather per layer (a decode
+        step has a row per request: a copy per request and layer would cost more than the step on a small model):
+        sample id -> (token ids, [per layer] or None). Copied because a generating sample lives for hundreds of
+        steps, and views would keep every step's pinned block (sized for a whole step) from the pool."""
+        spans = [(sid, start, end) for sid, start, end, _, generating in requests
+                 if generating and sid not in self.generation_ended]
+        if not spans:
+            return {}
+        index = torch.tensor([row for _, start, end in spans for row in range(start, end)])
+        ids = input_ids.index_select(0, index)
+        layers = [s.index_select(0, index) for s in states] if states is not None else None
+        out, offset = {}, 0
+        for sid, start, end in spans:
+            rows = slice(offset, offset + end - start)
+            out[sid] = (ids[rows], [layer[rows] for layer in layers] if layers is not None else None)
+            offset += end - start
+        return out
+
     def _finish_generation(self, key: str, sample_id: str | None, num_tokens: int):
         """A generating request's sample is decided: its first `num_tokens` rows, kept as `sample_id` (or dropped)."""
         sample = self.partial.pop(key, None)
@@ -418,12 +440,9 @@ class _Capture:
                                f"has {num_tokens} tokens")
         if sample_id in self.captured or sample_id in self.complete:
             raise CaptureError(f"sample {sample_id}: captured twice")
-        ids, chunks, rows = torch.cat(sample["ids"])[:num_tokens], [], 0
-        for chunk in sample["chunks"] if self.writer else []:  # rows past the sample's end (one step) go
-            take = min(chunk[0].shape[0], num_tokens - rows)
-            if take > 0:
-                chunks.append([s[:take] for s in chunk])
-            rows += take
+        ids = torch.cat(sample["ids"])[:num_tokens]  # rows past the sample's end (one step, at most) go
+        # one piece per layer: the writer then writes each state at once, not a row per generated token
+        chunks = [[torch.cat(pieces)[:num_tokens] for pieces in zip(*sample["chunks"])]] if sample["chunks"] else []
         sample.update(ids=ids, chunks=chunks)
         self.captured[sample_id] = [len(ids), zlib.crc32(ids.numpy().tobytes())]
         with self.sample_ready:
