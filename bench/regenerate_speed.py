@@ -1,7 +1,7 @@
 """Regenerate and capture in one pass (`regenerate.capture`) against regenerate, then capture (the usual second,
 prefill pass over the regenerated token ids), interleaved on one engine in one process; and generation alone (no
 states at all), the floor both stand on. Each round runs the three in the next order in turn, each into fresh
-directories, through the pipeline's own steps (`stages.regenerate`, `stages.extract`: files, receipts, manifest).
+directories, through the pipeline's own steps (`regenerate.regenerate`, `Extraction`: files, receipts, manifest).
 
     python bench/regenerate_speed.py --model work/demo-model --out work/bench-regenerate --conversations 64 \\
         --max-new-tokens 64 --rounds 2 --json work/bench-regenerate.json
@@ -40,22 +40,29 @@ def params_for(args, out: Path, mode: str):
 
 
 def run_mode(args, engines, out: Path, mode: str) -> dict:
-    from eagle_states import stages
+    # the steps' own functions, not `stages`, whose validation imports pandera (not in the GPU kit)
+    from eagle_states import regenerate
+    from eagle_states.extraction.driver import Extraction, run_extraction
 
     shutil.rmtree(out, ignore_errors=True)
     params = params_for(args, out, mode)
+    before = engines.engine.capture_stats() if engines.engine else None
     started = time.perf_counter()
-    regenerated = stages.regenerate(params, engines=engines)
+    regenerate.regenerate(params, engines, identity="bench")
     generated_s = time.perf_counter() - started
     tokens = None
-    if mode != "generate":
-        tokens = stages.extract(params, engines=engines).num_tokens
+    if mode != "generate":  # one pass: every shard is on disk, this only finalizes; two passes: the prefill
+        tokens = run_extraction(Extraction(params), progress=False, engines=engines)["num_tokens"]
     seconds = time.perf_counter() - started
+    after = engines.engine.capture_stats()
+    # where the time went, on the device's timeline: in forward passes, and idle between them (the host's loop)
+    counters = {key: getattr(after, key) - (getattr(before, key) if before else 0)
+                for key in ("forwards", "forward_s", "between_forwards_s", "pinned_wait_s", "generated_rows")}
     report = json.loads((out / "regenerated" / "report.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     return {"mode": mode, "seconds": seconds, "generation_s": generated_s, "tokens": tokens or report["num_tokens"],
             "generated_tokens": report["tokens_generated"], "conversations": report["rows_written"],
-            "shards_captured": len(report["shards_captured"])}
+            "shards_captured": len(report["shards_captured"]), **counters}
 
 
 def main() -> None:
@@ -73,8 +80,14 @@ def main() -> None:
     parser.add_argument("--shard-max-tokens", type=int, default=8192, help="default: %(default)s")
     parser.add_argument("--write-threads", type=int, default=4, help="default: %(default)s")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="default: %(default)s")
+    parser.add_argument("--switch-interval", type=float, help="Python's thread switch interval in this process, "
+                        "the engine's (default: Python's, 0.005 s)")
     parser.add_argument("--json", help="write the rounds and medians here")
     args = parser.parse_args()
+    if args.switch_interval:
+        import sys
+
+        sys.setswitchinterval(args.switch_interval)
 
     from eagle_states.capture.engine import EngineHolder
     from eagle_states.demo import write_demo_conversations
@@ -95,21 +108,22 @@ def main() -> None:
                 row = {"round": i, "order": order.index(mode), **run_mode(args, engines, out / f"{i}-{mode}", mode)}
                 rounds.append(row)
                 print(json.dumps(row), flush=True)
-        stats = engines.engine.capture_stats()
     finally:
         engines.close()
     medians = {mode: {key: statistics.median(r[key] for r in rounds if r["mode"] == mode)
-                      for key in ("seconds", "generation_s", "tokens", "generated_tokens")} for mode in MODES}
+                      for key in ("seconds", "generation_s", "tokens", "generated_tokens", "forwards", "forward_s",
+                                  "between_forwards_s", "pinned_wait_s")} for mode in MODES}
     for mode, m in medians.items():
         m["tokens_per_s"] = m["tokens"] / m["seconds"]
     result = {"settings": {k: str(v) for k, v in vars(args).items()}, "rounds": rounds, "medians": medians,
               "one_pass_vs_two_pass": medians["two-pass"]["seconds"] / medians["one-pass"]["seconds"],
-              "one_pass_vs_generation_alone": medians["generate"]["seconds"] / medians["one-pass"]["seconds"],
-              "generated_rows_captured": stats.generated_rows}
-    print(f"{'mode':<10} {'seconds':>9} {'generation s':>13} {'tokens':>9} {'tokens/s':>10}")
+              "one_pass_vs_generation_alone": medians["generate"]["seconds"] / medians["one-pass"]["seconds"]}
+    print(f"{'mode':<10} {'seconds':>9} {'generation s':>13} {'tokens':>9} {'tokens/s':>10} {'forwards':>9} "
+          f"{'in them s':>10} {'between s':>10} {'stalled s':>10}")
     for mode, m in medians.items():
         print(f"{mode:<10} {m['seconds']:>9.2f} {m['generation_s']:>13.2f} {m['tokens']:>9,.0f} "
-              f"{m['tokens_per_s']:>10,.1f}")
+              f"{m['tokens_per_s']:>10,.1f} {m['forwards']:>9,.0f} {m['forward_s']:>10.2f} "
+              f"{m['between_forwards_s']:>10.2f} {m['pinned_wait_s']:>10.2f}")
     print(f"one pass / two passes: {result['one_pass_vs_two_pass']:.3f}x the speed; "
           f"one pass / generation alone: {result['one_pass_vs_generation_alone']:.3f}x")
     if args.json:

@@ -323,7 +323,11 @@ class _Capture:
             limit = max(4, self.PINNED_BUDGET_BYTES // (capacity * like.element_size()))
             if self.pinned_allocated < limit:
                 self.pinned_allocated += 1
-                block = _PinnedBlock(torch.empty(max(capacity, like.numel()), dtype=like.dtype, pin_memory=True))
+                # a normal tensor even when taken in the forward pass (inference mode): a driver call (outside
+                # it) may copy the next step into it, which an inference tensor refuses
+                with torch.inference_mode(False):
+                    buffer = torch.empty(max(capacity, like.numel()), dtype=like.dtype, pin_memory=True)
+                block = _PinnedBlock(buffer)
             else:
                 waited = time.monotonic()
                 block = self.pinned_free.get()
