@@ -4,6 +4,7 @@ nothing else. Nothing here imports Prefect, except the extraction on engine work
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -139,12 +140,13 @@ class RegenerateOutcome:
 
 
 def regenerate(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None,
-               on_progress=lambda done, total: None) -> RegenerateOutcome:
+               on_progress=lambda done, total: None, hold_output: bool = True) -> RegenerateOutcome:
     """Regenerate the assistant turns with the target model (`regenerate.enabled`; off: a report saying so, the
     output DVC expects), unless the output already matches these inputs. With `regenerate.capture`, the dataset's
     shards are written while generating (under the output's lock); a finished dataset there is replaced only with
     `output.overwrite`, since its input cannot be compared before the responses exist. `engines`: the caller's
-    engine holder (a flow run's, shared with the extraction); otherwise one is loaded here if needed and closed."""
+    engine holder (a flow run's, shared with the extraction); otherwise one is loaded here if needed and closed.
+    `hold_output=False`: the caller's coordinator holds the output's lock (an engine worker's regeneration)."""
     out = Path(params.regenerate.out)
     if not params.regenerate.enabled:
         if not (out / REPORT_FILE).exists() or json.loads((out / REPORT_FILE).read_text()) != \
@@ -159,12 +161,10 @@ def regenerate(params: PipelineParams, progress: bool = False, engines: EngineHo
     if not reused:
         holder = engines or EngineHolder()
         try:
-            if params.regenerate.capture:
-                with output_lock(Path(params.output.dir)):
+            capture = params.regenerate.capture
+            with output_lock(Path(params.output.dir)) if capture and hold_output else contextlib.nullcontext():
+                if capture:
                     _begin_capture_while_generating(params)
-                    report = regenerating.regenerate(params, holder, identity=regenerating.identity(params),
-                                                     progress=progress, on_progress=on_progress)
-            else:
                 report = regenerating.regenerate(params, holder, identity=regenerating.identity(params),
                                                  progress=progress, on_progress=on_progress)
         finally:

@@ -16,12 +16,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from eagle_states import stages
 from eagle_states.config import PipelineParams
-from eagle_states.extraction.driver import Extraction
+from eagle_states.extraction.driver import CaptureConfig, Extraction
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.dataset.layout import claim_path
-from tasks.engine_worker import read_claim
-from tasks.shard_work import results_storage, shard_task, submitted_shard, task_key
+from tasks.engine_worker import read_claim, regeneration_claim
+from tasks.shard_work import (regeneration_task, results_storage, shard_task, submitted_regeneration, submitted_shard,
+                              task_key)
 
 log = logging.getLogger("eagle_states.dispatch")
 POLL_S = 0.5
@@ -117,3 +119,47 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
                 claim_path(extraction.out, name).unlink(missing_ok=True)
                 pending[name] = submit(name)
     return [outcomes[name] for name in sorted(outcomes)]
+
+
+def regenerate_on_workers(params: PipelineParams) -> stages.RegenerateOutcome:
+    """The run's regeneration as a task on an engine worker serving its model and settings (the engine its shards
+    then use); submitted again when the worker doing it goes (its claim names a worker the server no longer lists,
+    twice in a row, or has been silent STALE_CLAIM_S), or a worker goes while it waits to start."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    serving_key = CaptureConfig(params).serving_key
+    task = regeneration_task(submitted_regeneration, serving_key, results_storage(params.output.prefect_results))
+    request, claim = params.model_dump(mode="json", by_alias=True), regeneration_claim(params)
+    future = task.delay(request)
+    log.info("regeneration submitted to the engine workers (task key %s)", task.task_key)
+    seen, missing, no_worker_since = set(), set(), None
+    with get_client(sync_client=True) as client:
+        while True:
+            time.sleep(POLL_S)
+            state = client.read_task_run(future.task_run_id).state
+            if state is not None and state.is_completed():
+                return stages.RegenerateOutcome(**future.result())
+            if state is not None and (state.is_failed() or state.is_crashed()):
+                future.result()  # raises the regeneration's error
+            alive = serving_workers(serving_key, client)
+            held = read_claim(claim) if state is not None and state.is_running() else None
+            absent = (seen | ({held[0]["worker"]} if held else set())) - alive
+            gone, missing = absent & missing, absent  # absent twice in a row: gone
+            seen = (seen | alive) - gone
+            no_worker_since = None if alive else (no_worker_since or time.monotonic())
+            if no_worker_since and time.monotonic() - no_worker_since > NO_WORKER_S:
+                raise NoEngineWorker(f"no engine worker serves {params.model.path} (task key {task.task_key}) to "
+                                     "regenerate on: start one with `eagle-states engine-worker`")
+            if held is None:
+                why = f"worker(s) {sorted(gone)} are gone and no live worker claims it" if gone else None
+            elif held[0]["worker"] in gone:
+                why = f"its worker {held[0]['worker']} is gone"
+            else:
+                why = f"its worker {held[0]['worker']} has been silent for {held[1]:.0f} s" \
+                    if held[1] > STALE_CLAIM_S else None
+            if why is not None:
+                log.warning("the regeneration was abandoned (%s): submitting it again", why)
+                client.set_task_run_state(future.task_run_id, Crashed(message=f"abandoned: {why}"), force=True)
+                claim.unlink(missing_ok=True)
+                future = task.delay(request)

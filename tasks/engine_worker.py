@@ -12,6 +12,7 @@ claim of a worker that is gone, or gone quiet, takes the shard as abandoned and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -24,13 +25,14 @@ from typing import Callable
 
 from prefect import get_run_logger
 
-from eagle_states.capture.engine import CaptureEngine, EngineSettings
+from eagle_states import stages
+from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings
 from eagle_states.capture.service import EngineService
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.files import atomic_write_json
 from eagle_states.extraction.driver import CaptureConfig, Extraction
-from tasks.shard_work import HEARTBEAT_S, results_storage, shard_task
+from tasks.shard_work import HEARTBEAT_S, regeneration_task, results_storage, shard_task
 
 log = logging.getLogger("eagle_states.engine_worker")
 def worker_id() -> str:
@@ -82,6 +84,28 @@ class EngineWorker:
                 "worker": worker_id(), "host": socket.gethostname(), "devices": self.devices, "seconds": seconds}
 
 
+    def regenerate(self, params: dict) -> dict:
+        """A run's regeneration on this worker's engine, between two shard passes, under a claim beside its output
+        (`regeneration_claim`) so that the coordinator sees this worker go. The coordinator holds the outputs."""
+        params = PipelineParams.model_validate(params)
+        if CaptureConfig(params).serving_key != self.config.serving_key:
+            raise ValueError(f"a regeneration for another model or other settings than this engine serves "
+                             f"({self.config.params.model.path})")
+        with Claim(regeneration_claim(params), self.devices):
+            outcome = self.service.run_exclusive(lambda engine: stages.regenerate(
+                params, engines=EngineHolder(lambda settings: engine), hold_output=False))
+        get_run_logger().info("regeneration of %s on %s (devices %s): %d conversations, %d tokens%s",
+                              params.data.path, socket.gethostname(), self.devices, outcome.rows_written,
+                              outcome.tokens_generated, " (found finished)" if outcome.reused else "")
+        return dataclasses.asdict(outcome)
+
+
+def regeneration_claim(params: PipelineParams) -> Path:
+    """The claim of the worker regenerating into `regenerate.out` (beside it: DVC tracks the folder)."""
+    out = Path(params.regenerate.out).resolve()
+    return out.parent / f".{out.name}.claim.json"
+
+
 class Claim:
     """A file naming the worker computing a shard, touched every HEARTBEAT_S while it does; removed after."""
 
@@ -125,14 +149,17 @@ def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], Cap
     from prefect.task_worker import TaskWorker
 
     worker = EngineWorker(params, engine_factory)
-    task = shard_task(worker.compute, worker.config.serving_key, results_storage(params.output.prefect_results))
-    log.info("engine worker %s serves %s (layers %s, %s) as task key %s", worker_id(), params.model.path,
-             list(worker.config.layers.layer_ids), worker.config.dtype, task.task_key)
+    storage = results_storage(params.output.prefect_results)
+    tasks = [shard_task(worker.compute, worker.config.serving_key, storage),
+             regeneration_task(worker.regenerate, worker.config.serving_key, storage)]
+    log.info("engine worker %s serves %s (layers %s, %s) as task keys %s", worker_id(), params.model.path,
+             list(worker.config.layers.layer_ids), worker.config.dtype, [t.task_key for t in tasks])
 
     async def run():
-        task_worker = TaskWorker(task, limit=limit)
+        task_worker = TaskWorker(*tasks, limit=limit)
+        keys = {t.name: t.task_key for t in tasks}
         for served in task_worker.tasks:  # TaskWorker copies its tasks, and a copy derives its key anew
-            served.task_key = task.task_key
+            served.task_key = keys[served.name]
         await task_worker.start()
 
     try:

@@ -1,11 +1,13 @@
-"""Regenerate task: the assistant turns replaced by the target model's replies, on the flow run's engine (the
-one its shards use), with progress in the UI; skips itself when its output matches its inputs."""
+"""Regenerate task: the assistant turns replaced by the target model's replies, on the engine the run's shards
+use: the flow run's own, or an engine worker's when workers serve this model and these settings (then the flow
+run loads nothing). Progress in the UI; skips itself when its output matches its inputs."""
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eagle_states import stages
 from eagle_states.config import PipelineParams
+from eagle_states.extraction.driver import CaptureConfig
 from tasks.retry import transient_only
 from tasks.session import get_engines
 
@@ -13,6 +15,12 @@ from tasks.session import get_engines
 @task(name="regenerate", task_run_name="regenerate", tags=["eagle-states", "regenerate"], retries=1,
       retry_delay_seconds=5, retry_condition_fn=transient_only)
 def regenerate_task(params: PipelineParams, engines_key: str) -> stages.RegenerateOutcome:
+    from tasks.dispatch import regenerate_on_workers
+    from tasks.local_workers import uses_engine_workers
+
+    # local workers (data_parallel_size > 1) are started for the shards only: regeneration runs here then
+    if params.extract.data_parallel_size == 1 and uses_engine_workers(params, CaptureConfig(params).serving_key):
+        return regenerate_on_workers(params)
     engines = get_engines(engines_key).holder
     progress = create_progress_artifact(0.0, key="regeneration-progress", description="conversations regenerated")
     shown = [0.0]

@@ -111,3 +111,19 @@ def shard_task(fn: Callable, serving_key: str, storage: str) -> Task:
 def submitted_shard(params: dict, shard_name: str, shard_key: str) -> dict:
     """The coordinator's handle on the shard task: it is submitted (`.delay`), never run in the flow run."""
     raise RuntimeError("a shard task runs on an engine worker (eagle-states engine-worker), not here")
+
+
+def regeneration_task(fn: Callable, serving_key: str, storage: str) -> Task:
+    """`fn(params: dict) -> dict` (a `stages.RegenerateOutcome`) as the regeneration task of `serving_key`: a
+    run's regeneration on an engine worker's engine, the one its shards then use. Not retried by Prefect: the
+    coordinator submits it again if its worker goes."""
+    made = task(fn, name="regenerate", task_run_name="regenerate", tags=["eagle-states", "regenerate"],
+                persist_result=True, result_storage=storage, result_serializer=JsonRecordSerializer(),
+                cache_policy=NO_CACHE)
+    made.task_key = f"eagle-states-regenerate-{serving_key[:24]}"
+    return made
+
+
+def submitted_regeneration(params: dict) -> dict:
+    """The coordinator's handle on the regeneration task: submitted (`.delay`), never run in the flow run."""
+    raise RuntimeError("a regeneration task runs on an engine worker (eagle-states engine-worker), not here")

@@ -70,15 +70,15 @@ class Cluster:
         """Shards of `run` this worker computed (its log says so per shard)."""
         return sum(" computed on " in line and str(self.tmp / run) in line for line in self.log(name).splitlines())
 
-    def coordinator(self, run: str) -> tuple[list[str], dict]:
+    def coordinator(self, run: str, **sections) -> tuple[list[str], dict]:
         home = self.tmp / run
         home.mkdir(exist_ok=True)
-        params = write_params(home, "params", params_for(self.model, self.tmp, run))
+        params = write_params(home, "params", {**params_for(self.model, self.tmp, run), **sections})
         env = {**self.env, "PREFECT_HOME": str(home / "prefect")}
         return [str(BIN / "eagle-states"), "run", "--json", "--params", str(params)], {"cwd": home, "env": env}
 
-    def run(self, run: str) -> tuple[dict, str]:
-        cmd, kw = self.coordinator(run)
+    def run(self, run: str, **sections) -> tuple[dict, str]:
+        cmd, kw = self.coordinator(run, **sections)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
         assert done.returncode == 0, done.stderr[-4000:]
         return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -162,6 +162,22 @@ def test_a_killed_flow_run_loses_nothing_and_reloads_no_model(cluster, reference
     assert shard_hashes(cluster.tmp / "killed" / "dataset") == shard_hashes(out)
     assert READY not in stderr, "the flow run loaded no model"
     assert [cluster.log(name).count(READY) for name in cluster.workers] == [1, 1, 1], "no worker loaded twice"
+
+
+def test_regeneration_runs_on_a_worker_and_the_flow_run_loads_no_model(cluster, reference):
+    regenerated = cluster.tmp / "regenerated" / "regenerated"
+    result, stderr = cluster.run("regenerated", regenerate={"enabled": True, "max_new_tokens": 8,
+                                                            "out": str(regenerated)})
+    assert result["valid"] and result["samples"] == 3 * SHARDS and result["computed"] >= 1
+    assert READY not in stderr, "the flow run loaded no model"
+    assert sum("regeneration of" in cluster.log(name) for name in ("fast", "slow")) == 1  # on one worker's engine
+    assert [cluster.log(name).count(READY) for name in cluster.workers] == [1, 1, 1], "no worker loaded twice"
+    report = json.loads((regenerated / "report.json").read_text())
+    assert report["rows_written"] == 3 * SHARDS and report["turns_generated"] >= 3 * SHARDS
+    assert not (regenerated.parent / ".regenerated.claim.json").exists()
+    again, stderr = cluster.run("regenerated", regenerate={"enabled": True, "max_new_tokens": 8,
+                                                           "out": str(regenerated)})
+    assert again["computed"] == 0 and READY not in stderr  # regeneration found finished, every shard too
 
 
 def claimed_by(claims: Path, pid: int) -> bool:
