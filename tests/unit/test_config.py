@@ -35,6 +35,8 @@ def test_dvc_extract_stage_depends_on_exactly_the_byte_deciding_settings():
     ({"extract.layer_ids": "1,2,x"}, "give 'eagle3' or integers separated by commas"),
     ({"extract.write_thread": 2}, "Extra inputs are not permitted"),
     ({"prepare.min_loss_tokens": 0, "validate.min_loss_tokens": 2}, "would fail validation after the GPU work"),
+    ({"regenerate.capture": True}, "regenerate.capture needs regenerate.enabled"),
+    ({"regenerate.enabled": True, "extract.input": "x.jsonl"}, "give one of them"),
 ])
 def test_settings_that_do_not_go_together_are_refused_when_loaded(overrides, message):
     with pytest.raises(ValidationError, match=message):

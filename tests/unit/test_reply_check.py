@@ -42,7 +42,7 @@ def test_messages_are_checked_when_they_are_made():
         p.BeginShard(path="s", sample_ids=["a"], num_tokens=["three"], loss_masks=[[1]])
     with pytest.raises(pydantic.ValidationError):
         p.Poll(wait=False, extra=1)
-    assert set(p.REPLY) == {p.Setup, p.BeginShard, p.EndShard, p.Poll, p.Stats, p.Discard}
+    assert set(p.REPLY) == {p.Setup, p.BeginShard, p.EndShard, p.FinishGeneration, p.Poll, p.Stats, p.Discard}
 
 
 def test_ranks_must_agree_on_what_they_captured():
