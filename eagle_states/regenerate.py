@@ -302,9 +302,9 @@ def regenerate(params: PipelineParams, get_engine: Callable[[EngineSettings], Ca
 
 
 def identity(params: PipelineParams) -> str:
-    """What decides the regenerated output: the data, the model (weights and tokenizer), the selection and
-    regeneration settings, the engine settings that decide the batches (and so, to the last bit, the sampled
-    tokens), the code; with capture, everything that decides the shards too."""
+    """What decides the regenerated output: the data, the model (weights, tokenizer, end-of-turn tokens), the
+    selection and regeneration settings, the engine settings that decide the batches (and so, to the last bit, the
+    sampled tokens), the code; with capture, everything that decides the shards too."""
     from eagle_states import prepare as preparing
     from eagle_states.capture import engine, worker
 
@@ -313,6 +313,7 @@ def identity(params: PipelineParams) -> str:
     code = hash_files([Path(m.__file__) for m in (preparing, engine, worker)] + [Path(__file__)])
     return hash_json({
         "data": sha256_file(Path(params.data.path)), "model": {k: v for k, v in model.items() if k != "path"},
+        "end_of_turn": hash_files([Path(params.model.path) / "generation_config.json"]),  # its stop tokens
         "format": params.data.format, "prepare": params.prepare.model_dump(exclude={"out"}),
         "regenerate": params.regenerate.model_dump(exclude={"out"}),
         "engine": {"dtype": e.dtype, "max_num_batched_tokens": e.max_num_batched_tokens,

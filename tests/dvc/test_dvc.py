@@ -164,3 +164,23 @@ def test_a_failing_push_is_retried_and_keeps_the_local_version(repo):
     assert not result["pushed"] and "committed and tagged locally" in result["error"]
     assert failed.stderr.count("dvc push failed (attempt") == 3
     assert sh("git", "tag", "--list", result["version"], cwd=repo).stdout.strip() == result["version"]
+
+
+def test_regenerating_with_capture_through_dvc(repo):
+    """`regenerate.enabled` and `regenerate.capture` in params.yaml: the regenerate stage generates and captures
+    (one model load), extract only finalizes, validate checks the dataset against the regenerated samples."""
+    repo, _, _ = repo
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["regenerate"].update(enabled=True, capture=True, max_new_tokens=8)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = sh("dvc", "repro", cwd=repo)
+    assert "Running stage 'regenerate'" in out.stdout and "Running stage 'prepare'" not in out.stdout
+    assert (out.stdout + out.stderr).count("capture engine ready") == 1  # regenerate's; extract loads nothing
+    report = json.loads((repo / "work" / "regenerated" / "report.json").read_text())
+    manifest = json.loads((repo / "work" / "dataset" / "manifest.json").read_text())
+    assert report["shards_captured"] == [s["name"] for s in manifest["shards"]]
+    assert manifest["engine"]["regenerate.capture"] is True and manifest["num_samples"] == report["rows_written"]
+    assert json.loads((repo / "work" / "validation.json").read_text())["valid"]
+    assert "regenerate" in yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    again = sh("dvc", "repro", cwd=repo).stdout
+    assert "Running stage 'regenerate'" not in again and "Running stage 'extract'" not in again
