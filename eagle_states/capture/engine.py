@@ -238,13 +238,7 @@ class CaptureEngine:
                     continue
                 if not job.samples:
                     raise ValueError(f"shard {job.name} has no samples")
-                samples = self._in_file_order(job)
-                self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
-                                       num_tokens=[len(s.input_ids) for s in samples],
-                                       loss_masks=[s.loss_mask for s in samples],
-                                       codec=job.codec))
-                self._queued[str(job.path)] = job
-                self._reports[str(job.path)] = {}
+                samples = self._begin_shard(job)
                 for sample in samples:
                     self._request_counter += 1
                     request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
@@ -365,13 +359,18 @@ class CaptureEngine:
                                          num_tokens=len(result.prompt_ids) + len(result.token_ids)))
         queued.extend(follow.requests)
         for job in follow.shards:  # its samples are captured already: the writer takes them at once
-            samples = self._in_file_order(job)
-            self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
-                                   num_tokens=[len(s.input_ids) for s in samples],
-                                   loss_masks=[s.loss_mask for s in samples], codec=job.codec))
+            self._begin_shard(job)
             self._rpc(p.EndShard(path=str(job.path)))
-            self._queued[str(job.path)] = job
-            self._reports[str(job.path)] = {}
+
+    def _begin_shard(self, job: ShardJob) -> list[InputSample]:
+        """Queue a shard's plan with the workers and await its report; returns its samples in the file's order."""
+        samples = self._in_file_order(job)
+        self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
+                               num_tokens=[len(s.input_ids) for s in samples],
+                               loss_masks=[s.loss_mask for s in samples], codec=job.codec))
+        self._queued[str(job.path)] = job
+        self._reports[str(job.path)] = {}
+        return samples
 
     def _generation_params(self, request: Generation, request_id: str):
         from vllm import SamplingParams
@@ -379,9 +378,9 @@ class CaptureEngine:
         # the worker keeps a captured generation's rows under its request id (unique for the engine's life) until
         # `FinishGeneration` names its sample
         extra = {SAMPLE_ID_KEY: request_id, GENERATING_KEY: True} if request.capture else None
-        return SamplingParams(max_tokens=request.max_new_tokens + int(request.capture), temperature=request.temperature,
-                              top_p=request.top_p, seed=request.seed, ignore_eos=True, detokenize=False,
-                              extra_args=extra)
+        return SamplingParams(max_tokens=request.max_new_tokens + int(request.capture),
+                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                              ignore_eos=True, detokenize=False, extra_args=extra)
 
     def capture_stats(self) -> p.StatsReply:
         """The writer rank's counters (`protocol.StatsReply`; the gap before the first pass after each call is
