@@ -152,6 +152,7 @@ class _Capture:
     """
 
     PINNED_BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight (CUDA); at least 4 steps
+    ENDED_KEPT = 1 << 16  # ended generations remembered (`generation_ended`): far more than ever run at once
 
     def __init__(self, worker, setup: p.Setup, writer: bool, rank: int, world_size: int):
         runner = worker.model_runner
@@ -175,7 +176,9 @@ class _Capture:
         self.pinned_allocated = 0
         self.lock = threading.Lock()
         self.partial: dict[str, dict] = {}  # sample id (generating: request key) -> chunks being assembled
-        self.generation_ended: set[str] = set()  # generating requests whose sample is decided: later rows dropped
+        # generating requests whose sample is decided, so that rows computed after it (a step, at most, before the
+        # driver's abort lands) are dropped; the oldest are forgotten past ENDED_KEPT (an engine lives for millions)
+        self.generation_ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.complete: dict[str, dict] = {}  # sample id -> captured sample, until its shard's writer takes it
         self.sample_ready = threading.Condition()  # the assembler completed a sample, or writing must stop
         self.captured: dict[str, list[int]] = {}  # sample id -> [tokens, ids crc], until its shard's end marker
@@ -433,7 +436,9 @@ class _Capture:
     def _finish_generation(self, key: str, sample_id: str | None, num_tokens: int):
         """A generating request's sample is decided: its first `num_tokens` rows, kept as `sample_id` (or dropped)."""
         sample = self.partial.pop(key, None)
-        self.generation_ended.add(key)
+        self.generation_ended[key] = None
+        if len(self.generation_ended) > self.ENDED_KEPT:
+            self.generation_ended.popitem(last=False)
         if sample is None:
             raise CaptureError(f"generation {key}: finished, but none of its rows were captured")
         if sample_id is None:
