@@ -36,7 +36,8 @@ from eagle_states.capture.engine import CaptureEngine, EngineSettings, FollowUp,
 from eagle_states.config import PipelineParams
 from eagle_states.dataset.files import atomic_write_bytes, hash_files, hash_json, sha256_file
 from eagle_states.dataset.identity import model_identity
-from eagle_states.dataset.prepared import SAMPLES_FILE, InputSample
+from eagle_states.dataset.prepared import REPORT_FILE, InputSample
+from eagle_states.dataset.prepared import finished_report as finished_prepared_report
 from eagle_states.extraction.driver import CaptureConfig, PlannedShard, ShardPacker
 from eagle_states.prepare import (NotAConversationDataset, SkipRow, dedup_key, detect_format, load_tokenizer,
                                   parse_row, read_rows, renderer, sample_id_for, write_prepared)
@@ -258,7 +259,7 @@ def regenerate(params: PipelineParams, get_engine: Callable[[EngineSettings], Ca
     started = time.time()
     out = Path(params.regenerate.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").unlink(missing_ok=True)  # the report marks a finished regeneration: drop it first
+    (out / REPORT_FILE).unlink(missing_ok=True)  # the report marks a finished regeneration: drop it first
     tokenizer = load_tokenizer(Path(params.model.path))
     rows = list(read_rows(Path(params.data.path)))
     if not rows:
@@ -323,14 +324,4 @@ def identity(params: PipelineParams) -> str:
 
 def finished_report(params: PipelineParams) -> dict | None:
     """The regeneration report if `regenerate.out` was made from these inputs and is intact, else None."""
-    out = Path(params.regenerate.out)
-    try:
-        report = json.loads((out / "report.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if report.get("identity") != identity(params) or not (out / SAMPLES_FILE).exists():
-        return None
-    if report.get("samples_sha256") != sha256_file(out / SAMPLES_FILE):
-        return None
-    return report
-
+    return finished_prepared_report(Path(params.regenerate.out), identity(params))

@@ -22,7 +22,7 @@ from eagle_states.dataset.files import atomic_write_json, hash_files, hash_json,
 from eagle_states.dataset.identity import ModelError, check_weight_files, model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.output_lock import output_lock
-from eagle_states.dataset.prepared import REPORT_FILE, SAMPLES_FILE
+from eagle_states.dataset.prepared import REPORT_FILE, finished_report
 from eagle_states.extraction.driver import DatasetExists, Extraction, kept_shards_line, run_extraction
 
 log = logging.getLogger(__name__)
@@ -96,24 +96,10 @@ def _prepare_identity(params: PipelineParams) -> str:
                       "code": hash_files([Path(preparing.__file__)])})
 
 
-def _prepared_report(params: PipelineParams) -> dict | None:
-    """The prepare report if the prepared output on disk was made from these inputs, else None."""
-    out = Path(params.prepare.out)
-    report_path = out / REPORT_FILE
-    if not report_path.exists() or not (out / SAMPLES_FILE).exists():
-        return None
-    report = json.loads(report_path.read_text())
-    if report.get("identity") != _prepare_identity(params):
-        return None
-    if report.get("samples_sha256") != sha256_file(out / SAMPLES_FILE):
-        return None
-    return report
-
-
 def prepare(params: PipelineParams, progress: bool = False) -> PrepareOutcome:
     """Prepare unless the prepared output already matches these inputs."""
     ensure_inputs(params)
-    report = _prepared_report(params)
+    report = finished_report(Path(params.prepare.out), _prepare_identity(params))
     reused = report is not None
     if not reused:
         report = preparing.prepare(Path(params.data.path), Path(params.model.path), Path(params.prepare.out),

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from eagle_states.dataset.files import atomic_write_bytes
+from eagle_states.dataset.files import atomic_write_bytes, sha256_file
 from eagle_states.dataset.layout import check_sample_id
 
 SAMPLES_FILE = "samples.parquet"
@@ -58,6 +58,21 @@ def write_samples(out_dir: Path, samples: list[dict]) -> None:
     buffer = io.BytesIO()
     frame.to_parquet(buffer, index=False)
     atomic_write_bytes(Path(out_dir) / SAMPLES_FILE, buffer.getvalue())
+
+
+def finished_report(out_dir: Path, identity: str) -> dict | None:
+    """The report of the prepared layout in `out_dir` if it is there, was made under `identity` (what made it:
+    data, model, settings, code) and its samples file is the one it describes; else None."""
+    out_dir = Path(out_dir)
+    try:
+        report = json.loads((out_dir / REPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if report.get("identity") != identity or not (out_dir / SAMPLES_FILE).exists():
+        return None
+    if report.get("samples_sha256") != sha256_file(out_dir / SAMPLES_FILE):
+        return None
+    return report
 
 
 def read_sample_ids(prepared_dir: Path) -> list[str]:
