@@ -97,7 +97,7 @@ def cmd_validate(args) -> int:
 
     params = _load(args, **{"output.dir": args.dir, "extract.input": args.prepared, "validate.report": args.report})
     try:
-        result = stages.validate(params, reuse=not args.force)
+        result = stages.validate(params, reuse=not args.force, input_given=args.prepared is not None)
     except (OSError, ValueError, KeyError) as exc:
         print(f"eagle-states validate: could not run: {exc}", file=sys.stderr)
         return 2
@@ -159,6 +159,7 @@ def cmd_publish(args) -> int:
 def cmd_run(args) -> int:
     from eagle_states import stages
     from eagle_states.dataset.output_lock import output_lock
+    from eagle_states.extraction.driver import kept_shards_line
     from eagle_states.run_report import render_text
 
     # a run into another directory keeps its working files beside it, not in the default dataset's
@@ -166,7 +167,10 @@ def cmd_run(args) -> int:
               "validate.report": f"{args.out}.validation.json"} if args.out else {}
     params = _load(args, **{"output.dir": args.out, **beside})
     stages.ensure_inputs(params)  # before the Prefect server starts: a wrong path fails in a second
-    with output_lock(Path(params.output.dir)):  # a second run on this output is refused before it starts anything
+    # a second run on this output is refused before it starts anything; a stop while the server starts says
+    # what was kept, as a stop later does
+    with output_lock(Path(params.output.dir)), \
+            stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir)):
         from flows.extract_hidden_states import extract_hidden_states
 
         try:
@@ -238,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ExtractParams()
 
     def params_flag(p):
-        p.add_argument("--params", default="params.yaml", help="the parameters file (default: %(default)s)")
+        p.add_argument("--params", help="the parameters file (default: params.yaml where there is one; a file named here must exist)")
 
     def model_flag(p, what="the target model"):
         p.add_argument("--model", help=f"{what}: a local HF-format model directory (default: model.path)")

@@ -6,6 +6,7 @@ flow's form, the DVC stages and the bench all load it; what the engine and the e
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -186,10 +187,27 @@ class PipelineParams(_Section):
 
 
 def load_params(path: Path | None = None, overrides: dict | None = None) -> PipelineParams:
-    """params.yaml (if present), then dotted overrides such as {"extract.layer_ids": "2,3,5"} (None = not given)."""
+    """`path` (it must exist), else params.yaml if present, then dotted overrides such as
+    {"extract.layer_ids": "2,3,5"} (None = not given)."""
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(errno.ENOENT, "parameters file not found", str(path))
     path = Path(path) if path else DEFAULT_PARAMS_FILE
-    data = yaml.safe_load(path.read_text()) if path.exists() else {}
-    return PipelineParams.model_validate(_apply(data or {}, overrides or {}))
+    return PipelineParams.model_validate(_apply(read_params_file(path) if path.exists() else {}, overrides or {}))
+
+
+def read_params_file(path: Path) -> dict:
+    """A parameters file's mapping; a YAML error or a file that is not a mapping is one line naming the place
+    (`safe_load`: a Python tag is refused, never run)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"{path}: not valid parameters YAML{where}: {problem}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{path}: a YAML {type(data).__name__}, not a mapping of sections")
+    return data or {}
 
 
 def _apply(data: dict, overrides: dict) -> dict:

@@ -281,19 +281,19 @@ def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PreparePa
             progress: bool = True, identity: str | None = None) -> dict:
     """Prepare `data_path` into `out_dir`; returns the report (written last, with `identity`, what the caller
     uses to recognise output made from the same inputs, and the sha256 of samples.parquet)."""
+    rows = list(read_rows(data_path))  # before the tokenizer loads: a file that is not data fails in a second
+    if not rows:
+        raise NotAConversationDataset(f"{data_path}: no rows")
     tokenizer = load_tokenizer(model_dir)
     template_key = model_identity(model_dir)["tokenizer_sha256"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / REPORT_FILE).unlink(missing_ok=True)  # the report marks a finished preparation: drop it first
-    rows = list(read_rows(data_path))
-    if not rows:
-        raise NotAConversationDataset(f"{data_path}: no rows")
     result = prepare_rows(rows, tokenizer, settings, fmt, template_key, progress)
     log.info("prepare: %s format, masks from %s", result.format, result.mask_method)
 
     report = write_prepared(out_dir, result.samples, result.skipped, len(tokenizer), {
-        "source": str(data_path), "format": result.format, "mask_method": result.mask_method,
+        "source": str(data_path), "data_sha256": sha256_file(data_path), "format": result.format, "mask_method": result.mask_method,
         "rows_read": result.rows_read, "settings": {**settings.model_dump(exclude={"out"}), "format": fmt},
         "tokenizer_sha256": template_key, "identity": identity})
     return report

@@ -18,18 +18,19 @@ from eagle_states import stopping
 from eagle_states import validate as validating
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.config import PipelineParams
-from eagle_states.dataset.files import atomic_write_json, hash_files, hash_json, sha256_file
+from eagle_states.dataset.files import (atomic_write_json, hash_files, hash_json, open_regular, replace_directory,
+                                        sha256_file, staged_directory)
 from eagle_states.dataset.identity import ModelError, check_weight_files, model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.output_lock import output_lock
-from eagle_states.dataset.prepared import REPORT_FILE, finished_report
-from eagle_states.extraction.driver import DatasetExists, Extraction, kept_shards_line, run_extraction
+from eagle_states.dataset.prepared import REPORT_FILE, finished_report, prepared_input_hash
+from eagle_states.extraction.driver import DatasetExists, Extraction, differences, kept_shards_line, run_extraction
 
 log = logging.getLogger(__name__)
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
-def ensure_inputs(params: PipelineParams, data: bool = True) -> None:
+def ensure_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> None:
     """Build the built-in demo model and conversations where the parameters ask for them and they are missing;
     then check what needs no engine (`check_inputs`)."""
     from eagle_states.demo import make_demo_model, write_demo_conversations
@@ -38,24 +39,45 @@ def ensure_inputs(params: PipelineParams, data: bool = True) -> None:
         make_demo_model(Path(params.model.path))
     if data and params.data.build_demo_if_missing and not Path(params.data.path).exists():
         write_demo_conversations(Path(params.data.path))
-    check_inputs(params, data)
+    check_inputs(params, data, layers)
 
 
-def check_inputs(params: PipelineParams, data: bool = True) -> None:
+# A tokenizer's vocabulary, in one of the forms transformers loads (tokenizer_config.json alone is not one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def check_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> None:
     """Every check that needs no engine and no server, so that a wrong path or setting fails in a second, not
     after a model load: the model directory (config, weight files as long as their headers say, a tokenizer),
-    the layer ids against the model, the conversations file (`data`) or the extraction input."""
+    the layer ids against the model (`layers`: the steps that capture), the conversations file (`data`: not
+    empty, text) or the extraction input."""
     model_dir = Path(params.model.path)
     config = read_model_config(model_dir)
     check_weight_files(model_dir)
-    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ModelError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model)")
-    LayerSelection.resolve(params.extract.layer_ids, int(config.get("text_config", config)["num_hidden_layers"]))
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES) and not any(model_dir.glob("*.tiktoken")):
+        raise ModelError(f"{model_dir} has no tokenizer vocabulary (one of {', '.join(TOKENIZER_FILES)})")
+    if layers:
+        LayerSelection.resolve(params.extract.layer_ids, int(config.get("text_config", config)["num_hidden_layers"]))
     path, what = (params.data.path, "conversations file") if data else (params.extract_input, "extraction input")
     if not Path(path).exists():
         raise FileNotFoundError(f"{what} {path} does not exist")
-    if data and Path(path).is_dir():
+    if data:
+        _check_text_file(Path(path), what)
+
+
+def _check_text_file(path: Path, what: str) -> None:
+    if path.is_dir():
         raise IsADirectoryError(f"{what} {path} is a directory; give a JSON or JSONL file")
+    with open_regular(path) as f:
+        head = f.read(1 << 16)
+    if not head.strip():
+        raise preparing.NotAConversationDataset(f"{what} {path} is empty")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not a character cut at the end of the 64 KiB read
+            raise preparing.NotAConversationDataset(f"{what} {path}: not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                                          "expected JSON or JSON lines") from None
 
 
 @dataclass
@@ -97,16 +119,44 @@ def _prepare_identity(params: PipelineParams) -> str:
 
 
 def prepare(params: PipelineParams, progress: bool = False) -> PrepareOutcome:
-    """Prepare unless the prepared output already matches these inputs."""
-    ensure_inputs(params)
-    report = finished_report(Path(params.prepare.out), _prepare_identity(params))
+    """Prepare unless the prepared output already matches these inputs. The output is made beside `prepare.out`
+    and moved into place at the end: a failure leaves the old one (or none) in place, and the input of a finished
+    dataset is not replaced by other rows unless `output.overwrite` says so."""
+    ensure_inputs(params, layers=False)
+    out = Path(params.prepare.out)
+    report = finished_report(out, _prepare_identity(params))
     reused = report is not None
     if not reused:
-        report = preparing.prepare(Path(params.data.path), Path(params.model.path), Path(params.prepare.out),
-                                   params.prepare, fmt=params.data.format, progress=progress,
-                                   identity=_prepare_identity(params))
+        with output_lock(out), staged_directory(out) as staging:
+            report = preparing.prepare(Path(params.data.path), Path(params.model.path), staging, params.prepare,
+                                       fmt=params.data.format, progress=progress,
+                                       identity=_prepare_identity(params))
+            _refuse_replacing_a_datasets_input(params, staging)
+            replace_directory(staging, out)
     return PrepareOutcome(params.prepare.out, report["format"], report["rows_read"], report["rows_written"],
                           report["rows_skipped"], report["skipped_by_reason"], report["num_tokens"], reused)
+
+
+def _refuse_replacing_a_datasets_input(params: PipelineParams, staged: Path) -> None:
+    """`prepare.out` is what the finished dataset in `output.dir` was made from, and the new preparation gives other
+    samples: refused (naming what changed), unless `output.overwrite`; the dataset's input stays as it was."""
+    from eagle_states.dataset import layout
+
+    out, manifest_path = Path(params.prepare.out), Path(params.output.dir) / layout.MANIFEST_FILE
+    if params.output.overwrite or not manifest_path.exists() or Path(params.extract_input).resolve() != out.resolve():
+        return
+    try:
+        recorded = json.loads(manifest_path.read_text()).get("input_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # not a finished dataset: nothing to keep
+    if recorded in (None, prepared_input_hash(staged)) or prepared_input_hash(out) != recorded:
+        return  # the same samples, or `out` is not that dataset's input anyway
+    keys = ("source", "settings", "tokenizer_sha256", "data_sha256")
+    old, new = (json.loads((d / REPORT_FILE).read_text()) for d in (out, staged))
+    changed = differences({k: old.get(k) for k in keys}, {k: new.get(k) for k in keys}) or ["the prepared samples"]
+    raise DatasetExists(f"{out} is the input of the finished dataset {params.output.dir}, and this preparation gives "
+                        f"other samples ({'; '.join(changed)}); nothing was changed. Pass --overwrite "
+                        "(output.overwrite) to replace both, or write to another directory (--out)")
 
 
 # -- regenerate --------------------------------------------------------------------------------------------------
@@ -229,14 +279,25 @@ def _extract(params: PipelineParams, extraction: Extraction, progress: bool, eng
 
 
 # -- validate ----------------------------------------------------------------------------------------------------
-def validate(params: PipelineParams, reuse: bool = True) -> validating.ValidationResult:
+def validate(params: PipelineParams, reuse: bool = True, input_given: bool = True) -> validating.ValidationResult:
     """Validate `output.dir` from its files; against the prepared input too when the extraction input is a
-    prepared directory (every prepared sample present, none extra). Records the verdict beside the dataset and
-    writes `validate.report`. A dataset found valid before, unchanged since, is not read again (`reuse`)."""
-    prepared = Path(params.extract_input)
-    with output_lock(Path(params.output.dir)):  # not while a run writes it
-        return validating.validate_dataset(Path(params.output.dir), prepared if prepared.is_dir() else None,
-                                           min_loss_tokens=params.validate_.min_loss_tokens,
+    prepared directory (every prepared sample present, none extra), which must be the one the dataset was made
+    from: refused otherwise, or with `input_given=False` (the input is only the parameters' default) left out
+    with a warning. Records the verdict beside the dataset and writes `validate.report`. A dataset found valid
+    before, unchanged since, is not read again (`reuse`)."""
+    from eagle_states.dataset import layout
+
+    dataset, prepared = Path(params.output.dir), Path(params.extract_input)
+    with output_lock(dataset):  # not while a run writes it
+        prepared_dir = prepared if prepared.is_dir() else None
+        if prepared_dir is not None and not input_given and (dataset / layout.MANIFEST_FILE).exists():
+            try:
+                validating.check_made_from(dataset, json.loads((dataset / layout.MANIFEST_FILE).read_text()),
+                                           prepared_dir)
+            except (validating.NotTheInput, ValueError, AttributeError) as exc:
+                log.warning("validating %s without comparing it with a prepared input: %s", dataset, exc)
+                prepared_dir = None
+        return validating.validate_dataset(dataset, prepared_dir, min_loss_tokens=params.validate_.min_loss_tokens,
                                            report=Path(params.validate_.report), reuse=reuse)
 
 

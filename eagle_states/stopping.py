@@ -97,7 +97,9 @@ def _handle(signum: int, frame) -> None:
     lines = [f"stopped by {name}."]
     for describe in _describers:
         try:
-            lines.append(describe())
+            line = describe()
+            if line not in lines:  # the command and the flow it runs may both describe the same output
+                lines.append(line)
         except Exception as exc:  # a description that fails must not keep the process alive
             lines.append(f"(could not say what was kept: {exc})")
     sys.stdout.flush()

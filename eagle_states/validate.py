@@ -20,10 +20,11 @@ from pandera.typing import Series
 
 from eagle_states.dataset import layout
 from eagle_states.dataset.codec import CorruptTensorError
-from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, hash_files, hash_json, sha256_file
+from eagle_states.dataset.files import (NotARegularFile, atomic_write_bytes, atomic_write_json, check_regular, hash_files,
+                                        hash_json, sha256_file)
 from eagle_states.dataset.layout import LAYER_SEMANTICS
-from eagle_states.dataset.manifest import codec_record, layer_selection, read_manifest
-from eagle_states.dataset.prepared import SAMPLES_FILE, read_sample_ids
+from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
+from eagle_states.dataset.prepared import SAMPLES_FILE, prepared_input_hash, read_sample_ids
 from eagle_states.dataset.shard_file import CODE_OF_NAME, ShardReader
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
     shard_rows, sample_rows, layer_rows, stray_keys = [], {}, [], []
     bytes_read = 0
     for shard in manifest["shards"]:
-        path = dataset_dir / shard["file"]
+        path = layout.manifest_shard_path(dataset_dir, shard)  # read_manifest refused any other path
         row = {"shard": shard["name"], "exists": path.exists(), "readable": False, "sha256_matches": False,
                "codec": "", "error": ""}
         shard_rows.append(row)
@@ -78,7 +79,7 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
         try:
             f = ShardReader(path)  # the header, checked against the file's size: no tensor loads
             row["readable"], row["codec"] = True, f.codec.get("name")
-        except (ValueError, json.JSONDecodeError, safetensors.SafetensorError) as exc:
+        except (ValueError, json.JSONDecodeError, safetensors.SafetensorError, NotARegularFile) as exc:
             row["error"] = str(exc)
             continue
         row["sha256_matches"] = sha256_file(path) == shard["sha256"]
@@ -220,6 +221,9 @@ def manifest_failures(manifest: dict, index: pd.DataFrame) -> list[dict]:
         out.append(_failure("manifest", "layer semantics", manifest.get("layer_semantics")))
     if manifest["num_samples"] != len(index):
         out.append(_failure("manifest", f"num_samples == {len(index)} (index)", manifest["num_samples"]))
+    names = {s["name"] for s in manifest["shards"]}
+    for row in index.loc[~index["shard"].isin(names)].itertuples():
+        out.append(_failure("index", "shard is one of the manifest's", row.shard, row.sample_id))
     return out
 
 
@@ -239,6 +243,8 @@ def _failure_rows(name: str, table: pd.DataFrame, error: pa.errors.SchemaErrors)
                                  if c in record)
         else:
             observed = case.failure_case
+        if record is not None and record.get("error"):  # a shard that cannot be read: say why
+            observed = f"{observed} ({record['error']})"
         label = "" if record is None else str(record["sample_id"] if "sample_id" in record else record["shard"])
         has_slot = record is not None and "slot" in record
         rows.append(_failure(name, check, observed, label, slot=int(record["slot"]) if has_slot else "",
@@ -267,16 +273,20 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
     """
     started = time.time()
     dataset_dir = Path(dataset_dir)
-    manifest = read_manifest(dataset_dir)
+    try:
+        manifest = read_manifest(dataset_dir)
+    except BadManifest as exc:  # not one this project writes (a shard path leaving the dataset included)
+        return _refused_manifest(dataset_dir, exc, report)
     key = _record_key(dataset_dir, manifest, prepared_dir, min_loss_tokens)
     record = read_record(dataset_dir)
     if reuse and record and record.get("key") == key and record["summary"].get("valid"):
         summary = {**record["summary"], "reused": True, "seconds": round(time.time() - started, 3)}
         _write_report(report, summary, None)
         return ValidationResult(True, pd.DataFrame(columns=FAILURE_COLUMNS), summary)
-    index = pd.read_parquet(dataset_dir / layout.INDEX_FILE)
+    index = pd.read_parquet(check_regular(dataset_dir / layout.INDEX_FILE))
     expected = {sid: "index" for sid in index["sample_id"]}
     if prepared_dir is not None:
+        check_made_from(dataset_dir, manifest, Path(prepared_dir))
         prepared = read_sample_ids(prepared_dir)
         for sid in prepared:
             expected.setdefault(sid, "prepared input")
@@ -308,6 +318,31 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
     return ValidationResult(failures_frame.empty, failures_frame, summary)
 
 
+class NotTheInput(ValueError):
+    """The prepared directory to compare with is not the input the dataset was made from."""
+
+
+def check_made_from(dataset_dir: Path, manifest: dict, prepared_dir: Path) -> None:
+    """Refuse to compare a dataset with a prepared input other than its own (the manifest's `input_sha256`):
+    every sample would be reported missing or extra, and the dataset recorded invalid for another's rows."""
+    found = prepared_input_hash(prepared_dir)
+    if found != manifest.get("input_sha256"):
+        raise NotTheInput(f"{prepared_dir} is not the input {dataset_dir} was made from (its samples hash "
+                          f"{(found or 'none')[:12]}, the manifest's input_sha256 {str(manifest.get('input_sha256'))[:12]}); "
+                          "give the prepared directory it was made from with --prepared, or none")
+
+
+def _refused_manifest(dataset_dir: Path, exc: BadManifest, report: Path | None) -> ValidationResult:
+    """A manifest no reader may follow: one failure, recorded (so `export` and `info` see an invalid dataset)."""
+    failures = pd.DataFrame([_failure("manifest", "a manifest eagle-states writes", str(exc))],
+                            columns=FAILURE_COLUMNS)
+    summary = {"valid": False, "failures": 1, "reused": False, "error": str(exc)}
+    atomic_write_json(layout.validation_record_path(dataset_dir), {
+        "key": {"manifest_sha256": sha256_file(dataset_dir / layout.MANIFEST_FILE)}, "summary": summary})
+    _write_report(report, summary, failures)
+    return ValidationResult(False, failures, summary)
+
+
 def _write_report(report: Path | None, summary: dict, failures: pd.DataFrame | None) -> None:
     if report is None:
         return
@@ -326,7 +361,7 @@ def validator_version() -> str:
 
 
 def _record_key(dataset_dir: Path, manifest: dict, prepared_dir: Path | None, min_loss_tokens: int) -> dict:
-    files = [layout.MANIFEST_FILE, layout.INDEX_FILE, *(s["file"] for s in manifest["shards"])]
+    files = [layout.MANIFEST_FILE, layout.INDEX_FILE, *(layout.shard_file_entry(s["name"]) for s in manifest["shards"])]
     stats = [(name, *(lambda st: (st.st_size, st.st_mtime_ns))((dataset_dir / name).stat())) for name in files
              if (dataset_dir / name).exists()]
     prepared = Path(prepared_dir) / SAMPLES_FILE if prepared_dir is not None else None

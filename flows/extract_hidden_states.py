@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
@@ -30,7 +30,7 @@ from tasks.prepare import prepare_task
 from tasks.publish import publish_task
 from tasks.regenerate import regenerate_task
 from tasks.session import Session, extraction_session, flow_engines
-from tasks.shard_work import JsonRecordSerializer, results_storage
+from tasks.shard_work import JsonRecordSerializer, keep_run_records_in, results_storage
 from tasks.validate import validate_task
 
 
@@ -43,8 +43,8 @@ def run_name() -> str:
 
 
 def _given(params: PipelineParams | dict | None, params_file: str) -> PipelineParams:
-    if params is None:
-        return load_params(params_file)
+    if params is None:  # the default name may be absent (the defaults then); a file named otherwise must exist
+        return load_params(None if params_file == "params.yaml" else params_file)
     if params_file != "params.yaml":
         raise ValueError(f"both the parameter form and params_file ({params_file}) were given; use one")
     return PipelineParams.model_validate(params) if isinstance(params, dict) else params
@@ -56,7 +56,9 @@ def _given(params: PipelineParams | dict | None, params_file: str) -> PipelinePa
 def extract_hidden_states(params: PipelineParams | None = None, params_file: str = "params.yaml") -> dict:
     """Extract EAGLE-3 training hidden states. Fill in the form (its defaults are params.yaml's) or leave it
     empty and name a parameters file in `params_file`; not both."""
-    return pipeline(_given(params, params_file), CaptureEngine)
+    params = _given(params, params_file)
+    keep_run_records_in(params.output.prefect_results)  # this run's records there, not in Prefect's default storage
+    return pipeline(params, CaptureEngine)
 
 
 def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine]) -> dict:
@@ -64,7 +66,10 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     forward_library_logs()
     stopping.install()  # again: Prefect's flow engine has put its own SIGTERM handler in place
     stages: dict[str, float] = {}
-    with output_lock(Path(params.output.dir)), \
+    # the input this run writes (prepare.out or regenerate.out) is held too: another run sharing it would
+    # otherwise replace it under this one
+    written_input = nullcontext() if params.extract.input else output_lock(Path(params.extract_input))
+    with output_lock(Path(params.output.dir)), written_input, \
             stopping.on_stop(callback=report_stopped, describe=lambda: kept_shards_line(params.output.dir)):
         progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
         prepared = regenerated = None

@@ -514,6 +514,10 @@ class _Capture:
             finally:
                 self._forget(first)  # a no-op once written; gives it back when the file could not be opened
             return out.sha256, out.size
+        except OSError as exc:
+            if exc.filename is None:  # "No space left on device" names no file; the user needs to know which disk
+                raise OSError(exc.errno, exc.strerror, path) from exc
+            raise
         finally:
             self.write_slots.release()
 
@@ -537,6 +541,9 @@ class _Capture:
     def _raise_failure(self):
         if self.failure is not None:
             failure, self.failure = self.failure, None
+            if isinstance(failure, OSError):  # keeps its errno: a full disk is not retried
+                raise OSError(failure.errno, f"capture failed on rank {self.rank}: {failure.strerror}",
+                              failure.filename) from failure
             raise CaptureError(f"capture failed on rank {self.rank}: {failure}") from failure
 
     def begin_shard(self, call: p.BeginShard) -> p.Queued:

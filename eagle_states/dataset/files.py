@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import mmap
 import os
+import shutil
+import stat
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -173,6 +176,46 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
         stopping.untrack_temp(tmp)
 
 
+@contextlib.contextmanager
+def staged_directory(path: Path) -> Iterator[Path]:
+    """A directory built at a temp name beside `path` (`.NAME.staging-PID`) and moved into place by
+    `replace_directory`, or removed if the block fails: a failed or refused step leaves `path` as it was, and no
+    half-made or empty directory. Stagings left by a killed process are removed first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.staging-*"):
+        if not _process_alive(int(stale.name.rsplit("staging-", 1)[1].split("-")[0] or 0)):
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = path.parent / f".{path.name}.staging-{os.getpid()}"
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+def replace_directory(staging: Path, path: Path) -> None:
+    """Put a staged directory at `path` (the old one, if any, renamed away first, then removed): a crash between
+    the two renames leaves no `path`, which every reader takes for "not made yet"."""
+    path = Path(path)
+    old = path.parent / f".{path.name}.staging-{os.getpid()}-old"
+    with stopping.committing():
+        if path.exists():
+            os.replace(path, old)
+        os.replace(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def current_umask() -> int:
     """The process's umask, read without changing it (`os.umask` sets it, racing other threads' file creation)."""
     with open("/proc/self/status") as status:
@@ -204,9 +247,39 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+class NotARegularFile(OSError):
+    """A FIFO, a device, a socket or a directory where a file is read: refused, never opened for reading (a FIFO
+    would block the reader forever, a device would never end)."""
+
+
+def open_regular(path: Path):
+    """`path` opened for reading in binary, refused unless it is a regular file (a link to one is fine). Opened
+    without blocking, so that a FIFO is refused at once instead of waiting for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except IsADirectoryError:
+        raise NotARegularFile(errno.EISDIR, "a directory, not a file; refused", str(path)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotARegularFile(errno.EINVAL, "not a regular file (a FIFO, device or socket); refused", str(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def check_regular(path: Path) -> Path:
+    """`path`, if it is a regular file (see `open_regular`); for readers that open the path themselves."""
+    open_regular(path).close()
+    return Path(path)
+
+
+def read_regular(path: Path) -> bytes:
+    with open_regular(path) as f:
+        return f.read()
+
+
 def sha256_file(path: Path, block: int = 8 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(block):
             h.update(chunk)
     return h.hexdigest()

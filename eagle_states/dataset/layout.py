@@ -86,16 +86,56 @@ def check_sample_id(sample_id: str) -> str:
     return sample_id
 
 
+_SHARD_NAME = re.compile(r"^shard-\d{5,9}$")
+SHARD_SUFFIX, RECEIPT_SUFFIX = ".safetensors", ".json"
+
+
+class OutsideDataset(ValueError):
+    """A dataset's own files name a path that is not one of its shards (`../x`, an absolute path, another name):
+    refused, never opened (a dataset is pulled from remotes that others write)."""
+
+
 def shard_name(shard_index: int) -> str:
     return f"shard-{shard_index:05d}"
 
 
+def check_shard_name(name) -> str:
+    """Shard names are the only part of a dataset's paths that its files decide: nothing but `shard-NNNNN` may
+    become a path, so no manifest or index entry can point outside the dataset."""
+    if not isinstance(name, str) or not _SHARD_NAME.match(name):
+        raise OutsideDataset(f"{name!r} is not a shard name (shard-NNNNN); refused")
+    return name
+
+
 def shard_path(dataset_dir: Path, name: str) -> Path:
-    return Path(dataset_dir) / SHARDS_DIR / f"{name}.safetensors"
+    return Path(dataset_dir) / SHARDS_DIR / f"{check_shard_name(name)}{SHARD_SUFFIX}"
+
+
+def shard_file_entry(name: str) -> str:
+    """The `file` a manifest records for a shard: relative to the dataset, and nothing else is accepted."""
+    return f"{SHARDS_DIR}/{check_shard_name(name)}{SHARD_SUFFIX}"
+
+
+def manifest_shard_path(dataset_dir: Path, entry: dict) -> Path:
+    """The file of a manifest's shard entry, refused unless it is exactly the shard's own path in the dataset."""
+    path = shard_path(dataset_dir, entry.get("name"))
+    if entry.get("file") != shard_file_entry(entry["name"]):
+        raise OutsideDataset(f"manifest shard {entry['name']}: file {entry.get('file')!r} is not "
+                             f"{shard_file_entry(entry['name'])!r}; refused")
+    return path
+
+
+def own_file_name(name: str, suffix: str) -> bool:
+    """Whether a file name in shards/ or receipts/ is one the extraction writes: a shard's or receipt's name, or
+    the temp name of one being written (`.NAME.XXXX.tmp`). Only those are ever deleted there: `shards/` may be a
+    link to a directory on a bigger disk that holds other files."""
+    if name.startswith(".") and name.endswith(".tmp"):
+        name = name[1:].rsplit(".", 2)[0]
+    return name.endswith(suffix) and bool(_SHARD_NAME.match(name.removesuffix(suffix)))
 
 
 def receipt_path(dataset_dir: Path, name: str) -> Path:
-    return Path(dataset_dir) / RECEIPTS_DIR / f"{name}.json"
+    return Path(dataset_dir) / RECEIPTS_DIR / f"{check_shard_name(name)}{RECEIPT_SUFFIX}"
 
 
 def claim_path(dataset_dir: Path, name: str) -> Path:

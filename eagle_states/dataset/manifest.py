@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, LAYER_SEMANTICS, MANIFEST_FILE, LayerSelection
+from eagle_states.dataset.files import read_regular
+from eagle_states.dataset.layout import (FORMAT_NAME, FORMAT_VERSION, LAYER_SEMANTICS, MANIFEST_FILE, LayerSelection,
+                                         OutsideDataset, manifest_shard_path)
 
 
 def build_manifest(*, layers: LayerSelection, model: dict, dtype: str, shards: list[dict], num_samples: int,
@@ -34,16 +36,50 @@ def build_manifest(*, layers: LayerSelection, model: dict, dtype: str, shards: l
     }
 
 
+class BadManifest(ValueError):
+    """A manifest.json that is not one this project writes (not JSON, not an object, a field missing or of the
+    wrong type, a shard path that is not the shard's own)."""
+
+
+# The fields every reader relies on, with their types: checked once here, so no reader meets a KeyError.
+_REQUIRED = {"layer_ids": list, "model": dict, "hidden_size": int, "dtype": str, "num_samples": int,
+             "num_tokens": int, "num_loss_tokens": int, "shards": list, "versions": dict}
+_REQUIRED_MODEL = {"num_layers": int, "vocab_size": int}
+_REQUIRED_SHARD = {"name": str, "file": str, "sha256": str, "bytes": int}
+
+
 def read_manifest(dataset_dir: Path) -> dict:
     path = Path(dataset_dir) / MANIFEST_FILE
     if not path.exists():
         raise FileNotFoundError(f"{dataset_dir}: no {MANIFEST_FILE}; this is not a finished dataset")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(read_regular(path))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadManifest(f"{path}: not JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise BadManifest(f"{path}: a JSON {type(manifest).__name__}, not an object")
     if manifest.get("format") != FORMAT_NAME:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+        raise BadManifest(f"{path}: format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
+        raise BadManifest(f"{path}: format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}")
+    _check_fields(path, "", manifest, _REQUIRED)
+    _check_fields(path, "model.", manifest["model"], _REQUIRED_MODEL)
+    for i, shard in enumerate(manifest["shards"]):
+        if not isinstance(shard, dict):
+            raise BadManifest(f"{path}: shards[{i}] is not an object")
+        _check_fields(path, f"shards[{i}].", shard, _REQUIRED_SHARD)
+        try:
+            manifest_shard_path(Path(dataset_dir), shard)
+        except OutsideDataset as exc:
+            raise BadManifest(f"{path}: {exc}") from None
     return manifest
+
+
+def _check_fields(path: Path, prefix: str, obj: dict, fields: dict) -> None:
+    for name, kind in fields.items():
+        if not isinstance(obj.get(name), kind) or (kind is int and isinstance(obj.get(name), bool)):
+            raise BadManifest(f"{path}: {prefix}{name} is {'missing' if name not in obj else repr(obj[name])[:60]}; "
+                              f"expected {kind.__name__}")
 
 
 

@@ -75,6 +75,17 @@ def finished_report(out_dir: Path, identity: str) -> dict | None:
     return report
 
 
+def prepared_input_hash(path: Path) -> str | None:
+    """`input_hash` of an extraction input (a prepared directory or a JSONL of token ids) as a manifest records it
+    (`input_sha256`), without the row checks; None where there is no such input (any more)."""
+    try:
+        rows, _ = _rows(Path(path))
+        return input_hash(InputSample(str(r.get("id", r.get("sample_id"))), r["input_ids"], r.get("loss_mask"),
+                                      int(r.get("source_row", 0))) for r in rows)
+    except (OSError, InputError, KeyError, TypeError, ValueError):
+        return None
+
+
 def read_sample_ids(prepared_dir: Path) -> list[str]:
     import pandas as pd
 

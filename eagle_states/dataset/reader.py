@@ -11,8 +11,13 @@ import torch
 
 from eagle_states.dataset.layout import (INDEX_FILE, LayerSelection, key_hidden_state, key_input_ids, key_loss_mask,
                                          shard_path)
-from eagle_states.dataset.manifest import layer_selection, read_manifest
+from eagle_states.dataset.files import check_regular, sha256_file
+from eagle_states.dataset.manifest import BadManifest, layer_selection, read_manifest
 from eagle_states.dataset.shard_file import ShardReader
+
+
+class ChangedShard(ValueError):
+    """A shard file whose bytes are not the ones the manifest records."""
 
 
 @dataclass
@@ -33,8 +38,25 @@ class Dataset:
         self.dir, self.threads = Path(dataset_dir), threads
         self.manifest = read_manifest(self.dir)
         self.layers: LayerSelection = layer_selection(self.manifest)
-        self.index = pd.read_parquet(self.dir / INDEX_FILE)
+        self.index = pd.read_parquet(check_regular(self.dir / INDEX_FILE))
+        self._entries = {s["name"]: s for s in self.manifest["shards"]}
+        for row, shard in enumerate(self.index["shard"]):
+            if shard not in self._entries:
+                raise BadManifest(f"{self.dir / INDEX_FILE}: row {row}: shard {shard!r} is not one of the "
+                                  "manifest's shards; refused")
         self._shard_of = dict(zip(self.index["sample_id"], self.index["shard"]))
+        self._verified: set[str] = set()
+
+    def _open(self, shard: str) -> ShardReader:
+        """A shard's reader, once its file has been checked against the manifest's sha256 (once per shard and
+        Dataset): a shard that changed since it was written is refused, whatever a validation record says."""
+        path = shard_path(self.dir, shard)
+        if shard not in self._verified:
+            if sha256_file(path) != self._entries[shard]["sha256"]:
+                raise ChangedShard(f"{path}: its sha256 is not the manifest's: the file changed after it was "
+                                   "written; refused (extract again to recompute it)")
+            self._verified.add(shard)
+        return ShardReader(path, self.threads)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -48,11 +70,11 @@ class Dataset:
                       [f.get_tensor(key_hidden_state(sample_id, slot)) for slot in self.layers.slots])
 
     def __getitem__(self, sample_id: str) -> Sample:
-        with ShardReader(shard_path(self.dir, self._shard_of[sample_id]), self.threads) as f:
+        with self._open(self._shard_of[sample_id]) as f:
             return self._read(f, sample_id)
 
     def __iter__(self) -> Iterator[Sample]:
         for shard, rows in self.index.groupby("shard", sort=True):
-            with ShardReader(shard_path(self.dir, shard), self.threads) as f:
+            with self._open(shard) as f:
                 for sample_id in rows["sample_id"]:
                     yield self._read(f, sample_id)

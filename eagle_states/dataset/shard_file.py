@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle_states.dataset.codec import Codec, CorruptTensorError, decode, encoded_entry, header_metadata, read_header_metadata
-from eagle_states.dataset.files import atomic_file
+from eagle_states.dataset.files import atomic_file, check_regular, open_regular
 from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, key_hidden_state, key_input_ids, key_loss_mask
 
 # torch dtype -> (safetensors code, the manifest's name)
@@ -175,8 +176,8 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Te
 def read_header(path: Path) -> dict:
     """The header of a shard (any safetensors file), checked against the file's size (a truncated file fails
     here): key -> {dtype, shape, data_offsets}, without the metadata entry."""
-    size = Path(path).stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
@@ -199,7 +200,7 @@ class ShardReader:
     def __init__(self, path: Path, threads: int = 1):
         from safetensors import safe_open
 
-        self.path, self.threads = Path(path), threads
+        self.path, self.threads = check_regular(path), threads
         self._file = safe_open(self.path, framework="pt")
         self.codec, self._encoded = read_header_metadata(self._file.metadata())
         self._header = read_header(self.path)

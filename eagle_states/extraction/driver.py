@@ -78,9 +78,18 @@ NO_CODEC_SETTINGS = {"extract.codec": "none", "extract.codec_level": None}
 EARLIER_DEFAULTS = {**NO_CODEC_SETTINGS, "regenerate.capture": False}
 
 
-def _short(value) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _leaves(value, prefix: str = "") -> dict:
+    """A nested record as {dotted name: value}, so that a difference names the setting, not the whole record."""
+    if isinstance(value, dict) and value:
+        return {name: leaf for key, item in value.items() for name, leaf in _leaves(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def differences(theirs: dict, ours: dict) -> list[str]:
+    """`name: X there, Y now` for every setting that differs between two records (nested dicts by dotted name)."""
+    there, now = _leaves(theirs), _leaves(ours)
+    return [f"{name}: {json.dumps(there.get(name))} there, {json.dumps(now.get(name))} now"
+            for name in sorted(set(there) | set(now)) if there.get(name) != now.get(name)]
 
 
 class ShardPacker:
@@ -213,9 +222,12 @@ class Extraction(CaptureConfig):
         theirs = {"model": {k: v for k, v in manifest.get("model", {}).items() if k != "path"},
                   **{key: manifest.get(key) for key in ours if key != "model"}}
         theirs["engine"] = {**EARLIER_DEFAULTS, **(theirs["engine"] or {})}
-        differ = [key for key in ours if ours[key] != theirs[key]]
+        differ = differences(theirs, ours)
         if differ:
-            detail = "; ".join(f"{key}: {_short(theirs[key])} there, {_short(ours[key])} now" for key in differ)
+            if "input_sha256" in theirs and theirs["input_sha256"] != ours["input_sha256"]:
+                differ.append("(input_sha256 is the hash of the input's token ids: the data, the preparation "
+                              "settings or the tokenizer changed)")
+            detail = "; ".join(differ)
             raise DatasetExists(f"{self.out} holds a finished dataset made differently ({detail}). Pass --overwrite "
                                 "(output.overwrite) to replace it, or write to another directory")
 
@@ -332,9 +344,10 @@ class Extraction(CaptureConfig):
             fsync_path(layout.receipt_path(self.out, shard.name))
         shutil.rmtree(self.out / layout.CLAIMS_DIR, ignore_errors=True)  # left by engine workers that died
         planned = {s.name for s in self.shards}
-        for folder, suffix in ((layout.SHARDS_DIR, ".safetensors"), (layout.RECEIPTS_DIR, ".json")):
-            for stale in (self.out / folder).glob("*"):
-                if stale.name.startswith(".") or stale.name.removesuffix(suffix) not in planned:
+        for folder, suffix in ((layout.SHARDS_DIR, layout.SHARD_SUFFIX), (layout.RECEIPTS_DIR, layout.RECEIPT_SUFFIX)):
+            for stale in (self.out / folder).glob("*"):  # only what an extraction wrote: shards/ may be a link
+                if (layout.own_file_name(stale.name, suffix) and stale.is_file() and not stale.is_symlink()
+                        and (stale.name.startswith(".") or stale.name.removesuffix(suffix) not in planned)):
                     stale.unlink()
         rows = [{"shard": r["shard"], **s} for r in receipts for s in r["samples"]]
         index = pd.DataFrame(rows, columns=["shard", "sample_id", "num_tokens", "num_loss_tokens", "source_row"])
@@ -344,7 +357,7 @@ class Extraction(CaptureConfig):
         _write_if_changed(self.out / layout.INDEX_FILE, buffer.getvalue())
         manifest = build_manifest(
             layers=self.layers, model=self.model, dtype=self.dtype,
-            shards=[{"name": r["shard"], "file": f"{layout.SHARDS_DIR}/{r['shard']}.safetensors",
+            shards=[{"name": r["shard"], "file": layout.shard_file_entry(r["shard"]),
                      "sha256": r["sha256"], "bytes": r["bytes"], "num_samples": len(r["samples"]),
                      "num_tokens": sum(s["num_tokens"] for s in r["samples"])} for r in receipts],
             num_samples=len(index), num_tokens=int(index["num_tokens"].sum()),

@@ -79,3 +79,70 @@ def test_errors_that_stay_are_not_retried():
     for code in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
         assert is_permanent(OSError(code, "x"))
     assert not is_permanent(OSError(errno.EIO, "x")) and not is_permanent(ConnectionError("lost"))
+
+
+def test_a_parameters_file_that_is_missing_or_not_yaml_is_one_line(workdir, capsys, llama_model):
+    # issue #30.7: a --params that does not exist used to run the built-in demo silently
+    line = fails(capsys, "run", "--params", "my-params.yaml", "--model", str(llama_model), "--out", "ds")
+    assert line.endswith("parameters file not found: my-params.yaml")
+    assert not (workdir / "work").exists() and not (workdir / "ds").exists()
+    (workdir / "bad.yaml").write_text("extract:\n  layer_ids: [2, 4\nmodel: {}\n")
+    line = fails(capsys, "prepare", "--params", "bad.yaml", "--model", str(llama_model))
+    assert "bad.yaml: not valid parameters YAML (line" in line
+    (workdir / "tag.yaml").write_text("model: !!python/object/apply:os.system ['touch pwned']\n")
+    assert "tag.yaml: not valid parameters YAML" in fails(capsys, "prepare", "--params", "tag.yaml")
+    assert not (workdir / "pwned").exists()
+    (workdir / "list.yaml").write_text("- 1\n- 2\n")
+    assert "list.yaml: a YAML list, not a mapping of sections" in fails(capsys, "prepare", "--params", "list.yaml")
+
+
+def test_a_tokenizer_or_data_that_cannot_be_read_fails_at_once_and_leaves_no_prepared_output(workdir, capsys,
+                                                                                            llama_model):
+    # issue #30.9: a missing tokenizer.json took 20 s of transformers text; bad data left an empty X.prepared/
+    no_vocab = shutil.copytree(llama_model, workdir / "no-vocab")
+    (no_vocab / "tokenizer.json").unlink()
+    line = fails(capsys, "prepare", "--model", str(no_vocab), "--data", str(write_prompt_jsonl(
+        workdir / "rows.jsonl", [[5]])), "--out", "p")
+    assert f"{no_vocab} has no tokenizer vocabulary" in line
+    empty = workdir / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert f"{empty} is empty" in fails(capsys, "run", "--model", str(llama_model), "--data", str(empty), "--out", "x")
+    binary = workdir / "binary.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe" * 100)
+    assert "not UTF-8 text" in fails(capsys, "prepare", "--model", str(llama_model), "--data", str(binary),
+                                     "--out", "p")
+    assert not (workdir / "p").exists() and not (workdir / "x.prepared").exists()
+    assert not list(workdir.glob(".p.*")) and not list(workdir.glob(".x.*"))
+
+
+def test_a_manifest_that_is_not_ours_is_one_line_from_info_and_invalid_for_validate(workdir, capsys):
+    # issue #30.9: a manifest that is a JSON list, or lacks `shards`, gave tracebacks
+    from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION
+
+    ds = workdir / "ds"
+    ds.mkdir()
+    for manifest, said in (([1, 2], "a JSON list, not an object"),
+                           ({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "layer_ids": [2]},
+                            "model is missing; expected dict")):
+        (ds / "manifest.json").write_text(json.dumps(manifest))
+        assert said in fails(capsys, "info", str(ds))
+        assert main(["validate", str(ds)]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
+
+
+def test_a_killed_preparations_leftovers_go_with_the_next_one(workdir, llama_model):
+    # issue #30.9: a `.skipped.jsonl.*.tmp` left by a kill during prepare was never removed
+    from eagle_states import stages
+    from eagle_states.config import PipelineParams
+    from eagle_states.demo import write_demo_conversations
+
+    data = write_demo_conversations(workdir / "conversations.jsonl")
+    params = PipelineParams.model_validate({"model": {"path": str(llama_model), "build_demo_if_missing": False},
+                                            "data": {"path": str(data)}, "prepare": {"out": str(workdir / "p")},
+                                            "output": {"dir": str(workdir / "ds")}})
+    dead = workdir / ".p.staging-999999999"  # a pid that cannot be alive
+    dead.mkdir()
+    (dead / ".skipped.jsonl.abc123.tmp").write_text("half")
+    assert stages.prepare(params).rows_written > 0
+    assert not dead.exists() and not list((workdir / "p").glob(".*"))
