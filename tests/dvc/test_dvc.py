@@ -77,6 +77,27 @@ def test_second_repro_does_nothing(repo):
         assert f"Running stage '{stage}'" not in out, out
 
 
+def test_an_edit_of_the_capture_that_changes_no_byte_leaves_dvc_clean(repo):
+    """The extract stage depends on the declared capture format, not on the capture's source text (#28)."""
+    repo, _, _ = repo
+    edited = ["capture/worker.py", "capture/engine.py", "dataset/layout.py", "dataset/shard_file.py",
+              "dataset/codec.py", "extraction/driver.py"]
+    originals = {name: (repo / "eagle_states" / name).read_text() for name in edited + ["dataset/capture_format.py"]}
+    try:
+        for name in edited:
+            with open(repo / "eagle_states" / name, "a") as f:
+                f.write("\n# a comment that changes no shard\n")
+        status = sh("dvc", "status", cwd=repo).stdout
+        assert "extract:" not in status and "regenerate:" not in status, status
+        version = repo / "eagle_states" / "dataset" / "capture_format.py"
+        version.write_text(version.read_text().replace("CAPTURE_FORMAT_VERSION = 1", "CAPTURE_FORMAT_VERSION = 2"))
+        status = sh("dvc", "status", cwd=repo).stdout
+        assert "extract:" in status and "CAPTURE_FORMAT_VERSION" in status, status
+    finally:
+        for name, text in originals.items():
+            (repo / "eagle_states" / name).write_text(text)
+
+
 def test_settings_that_change_no_byte_leave_dvc_and_every_shard_cached(repo):
     repo, _, _ = repo
     original = (repo / "params.yaml").read_text()

@@ -2,8 +2,11 @@
 loaded, what decides a shard's bytes is declared once (and dvc.yaml agrees), layer ids resolve once, and only the
 capture package imports vLLM."""
 
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -11,8 +14,10 @@ from pydantic import ValidationError
 
 from eagle_states.config import SHARD_BYTES_SETTINGS, PipelineParams, load_params
 from eagle_states.dataset.layout import LayerSelection
-from eagle_states.extraction.driver import CAPTURE_CODE, PACKAGE, capture_code_version
+from eagle_states.extraction.driver import CaptureConfig
 from helpers import REPO
+
+PACKAGE = REPO / "eagle_states"
 
 
 def test_params_yaml_is_the_defaults():
@@ -21,12 +26,13 @@ def test_params_yaml_is_the_defaults():
 
 def test_dvc_extract_stage_depends_on_exactly_the_byte_deciding_settings():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    assert stages["extract"]["params"] == list(SHARD_BYTES_SETTINGS)
-    deps = stages["extract"]["deps"]
-    assert all(f"eagle_states/{name}" in deps for name in CAPTURE_CODE)
+    format_file = {"eagle_states/dataset/capture_format.py": ["CAPTURE_FORMAT_VERSION"]}
+    assert stages["extract"]["params"] == [format_file, *SHARD_BYTES_SETTINGS]
+    assert not [dep for dep in stages["extract"]["deps"] if dep.endswith(".py")], "source text keys no shard"
     for stage in stages.values():  # exact keys that exist, never a whole section
         for key in stage.get("params", []):
-            PipelineParams().setting(key)
+            if isinstance(key, str):
+                PipelineParams().setting(key)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -57,19 +63,26 @@ def test_layer_ids_are_parsed_from_a_string_and_resolved_once():
         LayerSelection.resolve([1, 1], 8)
 
 
-def test_the_capture_code_hash_covers_the_capture_not_the_reader(tmp_path):
+def test_the_shard_key_is_made_of_declared_things_not_source_text(tmp_path, llama_model):
+    """A comment in every file of the capture leaves the shard cache key (and the Prefect task key) as it was: it
+    is computed by a copy of the package with those edits, in another interpreter."""
     copy = tmp_path / "eagle_states"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    before = capture_code_version(copy)
-    assert before == capture_code_version()
-    for untouched in ("dataset/reader.py", "validate.py", "cli.py", "dataset/manifest.py"):
-        with open(copy / untouched, "a") as f:
+    for name in ("capture/worker.py", "capture/engine.py", "dataset/layout.py", "dataset/shard_file.py",
+                 "dataset/codec.py", "extraction/driver.py"):
+        with open(copy / name, "a") as f:
             f.write("\n# an edit that changes no shard\n")
-    assert capture_code_version(copy) == before
-    with open(copy / "capture/worker.py", "a") as f:
-        f.write("\n# an edit of the capture\n")
-    assert capture_code_version(copy) != before
-
+    params = PipelineParams.model_validate({"model": {"path": str(llama_model), "build_demo_if_missing": False}})
+    script = ("import sys; from eagle_states.config import PipelineParams; "
+              "from eagle_states.extraction.driver import CaptureConfig; "
+              "c = CaptureConfig(PipelineParams.model_validate_json(sys.argv[1])); "
+              "import eagle_states; print(eagle_states.__file__, c.config_hash, c.serving_key)")
+    done = subprocess.run([sys.executable, "-c", script, params.model_dump_json(by_alias=True)], capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    where, config_hash, serving_key = done.stdout.split()
+    assert where == str(copy / "__init__.py")
+    here = CaptureConfig(params)
+    assert (config_hash, serving_key) == (here.config_hash, here.serving_key)
 
 def test_only_the_capture_package_imports_vllm():
     importing = sorted(str(path.relative_to(REPO)) for folder in ("eagle_states", "flows", "tasks")
