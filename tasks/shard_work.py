@@ -1,6 +1,6 @@
 """The shard task that engine workers serve, defined once for both sides: the engine worker runs it, the flow run
 (the coordinator) submits it. Its Prefect task key names what the worker's engine can capture (model identity,
-layers, dtype, the byte-deciding settings, the capture code: `CaptureConfig.serving_key`), so the Prefect server
+layers, dtype, the byte-deciding settings, the capture format: `CaptureConfig.serving_key`), so the Prefect server
 hands a shard only to a worker whose engine produces exactly the bytes the run asks for.
 
 Shard records (parameters, results, the shard cache), and every other record a flow run keeps (`keep_run_records_in`),
