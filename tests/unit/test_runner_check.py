@@ -19,3 +19,10 @@ def test_the_v1_runner_is_accepted_and_the_v2_runner_refused():
         check_model_runner(V2Runner)
     with pytest.raises(UnsupportedRunnerError, match="checked on"):
         check_model_runner(object)
+
+
+def test_only_the_versions_it_was_checked_on_count_as_checked():
+    from eagle_states.capture import was_checked
+
+    assert was_checked("0.26.0") and was_checked("0.32.0+cpu") and was_checked("0.32.0")
+    assert not was_checked("0.33.1") and not was_checked("0.26.1")
