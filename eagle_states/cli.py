@@ -42,10 +42,15 @@ def _print(result) -> None:
 
 def cmd_make_demo_model(args) -> int:
     from eagle_states.demo import make_demo_model
+    from eagle_states.demo_training import train_demo_model
 
-    make_demo_model(Path(args.dir), seed=args.seed, arch=args.arch, num_layers=args.layers,
-                    hidden_size=args.hidden, num_heads=args.hidden // 64, device=args.device)
-    print(f"demo model written to {args.dir}")
+    shape = dict(seed=args.seed, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
+                 num_heads=args.hidden // 64)
+    if args.train_steps:
+        train_demo_model(Path(args.dir), steps=args.train_steps, **shape)
+    else:
+        make_demo_model(Path(args.dir), device=args.device, **shape)
+    print(f"demo model written to {args.dir}" + (f" (trained {args.train_steps} steps)" if args.train_steps else ""))
     return 0
 
 
@@ -199,6 +204,26 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_acceptance(args) -> int:
+    from eagle_states.acceptance.draft import CONTROLS, DraftRecipe
+    from eagle_states.acceptance.harness import heldout_prompts, run_acceptance, table
+    from eagle_states.dataset.manifest import read_manifest
+
+    controls = [c for c in (args.controls or "").split(",") if c]
+    unknown = [c for c in controls if c not in CONTROLS[1:]]
+    if unknown:
+        raise ValueError(f"--controls {','.join(unknown)}: give any of {', '.join(CONTROLS[1:])}")
+    model = Path(args.model or read_manifest(Path(args.dataset))["model"]["path"])
+    recipe = DraftRecipe(epochs=args.epochs, max_steps=args.max_steps, draft_vocab_size=args.draft_vocab_size,
+                         seed=args.seed)
+    report = run_acceptance(Path(args.dataset), Path(args.out), recipe=recipe, controls=controls,
+                            prompts=heldout_prompts(model, args.prompts, args.prompt_seed),
+                            num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
+                            model=model, dtype=args.dtype)
+    print(json.dumps(report) if args.json else table(report))
+    return 0
+
+
 def cmd_engine_worker(args) -> int:
     import importlib
 
@@ -261,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     def progress_flag(p):
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("make-demo-model", help="write the built-in small random-weight model")
+    p = sub.add_parser("make-demo-model", help="write the built-in small model (random weights, or trained with --train-steps)")
     p.add_argument("dir", help="where to write it")
     p.add_argument("--device", default="cpu", help="where to initialise the weights; cuda is faster for big "
                                                   "shapes (default: %(default)s)")
@@ -273,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size, heads of 64 (default: %(default)s)")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="train it this many steps on the demo conversations (seeded, deterministic; 160 take about "
+                        "3 minutes on 2 cores), so that a draft has something to learn (default: random weights)")
     p.set_defaults(func=cmd_make_demo_model)
 
     p = sub.add_parser("run", help="the whole pipeline as a Prefect flow (ephemeral server unless one is set)")
@@ -375,6 +403,26 @@ def build_parser() -> argparse.ArgumentParser:
     params_flag(p)
     p.add_argument("--no-push", action="store_true", help="commit and tag only")
     p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("acceptance", help="train an EAGLE-3 draft on a dataset (speculators), serve it with vLLM, "
+                                          "report how often vLLM accepts its tokens, beside control drafts")
+    p.add_argument("dataset", help="a validated dataset whose last layer id is the final state")
+    p.add_argument("--out", required=True, help="working directory: the export, the drafts, acceptance.json")
+    p.add_argument("--model", help="the target (default: the manifest's model path)")
+    p.add_argument("--controls", default="token-shift,layer-off-by-one",
+                   help="drafts trained on wrong states, which must score lower (default: %(default)s; '' for none)")
+    p.add_argument("--epochs", type=int, default=3, help="draft training epochs (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, help="stop each draft's training after this many steps")
+    p.add_argument("--draft-vocab-size", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="draft training seed (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts: opening turns of this many demo "
+                                                            "conversations (default: %(default)s)")
+    p.add_argument("--prompt-seed", type=int, default=2, help="their seed; not the dataset's (default: %(default)s)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="(default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=96, help="generated per prompt (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="the serving engine's (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="the report as one JSON line")
+    p.set_defaults(func=cmd_acceptance)
 
     p = sub.add_parser("bench", help="plain prefill vs capture to disk, interleaved on one engine")
     params_flag(p)

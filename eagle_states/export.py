@@ -2,7 +2,8 @@
 
 speculators          OUT/hidden_states/hs_{i}.safetensors  hidden_states [T, L, H] (aux layers, then the final
                      state), token_ids [T]; OUT/ (a `datasets.save_to_disk` table: input_ids, loss_mask, seq_len,
-                     row i <-> hs_{i}); OUT/token_freq.pt ({token id: count} over loss tokens)
+                     row i <-> hs_{i}); OUT/token_freq.pt ({token id: count} over loss tokens); OUT/eagle3.json
+                     (the aux layer ids a draft reads and vLLM captures, the final state's id)
 speculators-legacy   OUT/data_{i}.pt  {"input_ids" [T], "hidden_states": [L x [T, H]], "loss_mask" [T]}
 specforge            OUT/rows_{a}-{b}/data_{i}.ckpt  {"input_ids" [T], "loss_mask" [T], "hidden_state" [1, T, H]
                      (final state), "aux_hidden_state" [1, T, (L-1)*H] (aux layers concatenated)}
@@ -26,6 +27,7 @@ from eagle_states.dataset.shard_file import write_shard_file
 from eagle_states.validate import is_validated
 
 FORMATS = ("speculators", "speculators-legacy", "specforge")
+EAGLE3_FILE = "eagle3.json"  # the speculators export's layer record (eagle3_record)
 EXPORT_FILE = "export.json"
 SPECFORGE_ROWS_PER_DIR = 1000
 
@@ -105,8 +107,20 @@ def export_dataset(dataset_dir: Path, out: Path, fmt: str, progress: bool = True
             bar.update()
     if fmt == "speculators":
         _write_speculators_table(table, out)
+        atomic_write_json(out / EAGLE3_FILE, eagle3_record(dataset))
     atomic_write_json(marker, {**source, "written_this_run": written})
     return json.loads(marker.read_text())
+
+
+def eagle3_record(dataset: Dataset) -> dict:
+    """What a trainer needs to know of the layers, written from the manifest: the aux layer ids a draft reads
+    (its `eagle_aux_hidden_state_layer_ids`, which vLLM's EAGLE-3 captures at serve time: the residual stream
+    entering each of those decoder layers, the manifest's own meaning), and the final state's id. Passed on
+    explicitly: speculators falls back to [2, n//2, n-3] without them."""
+    layers = dataset.layers
+    return {"aux_layer_ids": list(layers.layer_ids[:-1]), "final_layer_id": layers.layer_ids[-1],
+            "num_layers": layers.num_layers, "hidden_size": dataset.manifest["hidden_size"],
+            "layer_semantics": LAYER_SEMANTICS, "verifier": dataset.manifest["model"].get("path")}
 
 
 def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path) -> None:

@@ -1,0 +1,90 @@
+"""From a dataset to vLLM's acceptance of a draft trained on it, beside controls trained on wrong states.
+
+    dataset --export (speculators)--> --train_draft (speculators' model, loss, data)--> draft
+            --measure_acceptance (vLLM's EAGLE-3, greedy, held-out prompts)--> acceptance rate, length per position
+
+Every draft of a run gets the same recipe and the same prompts; the controls (`draft.CONTROLS`) must score
+clearly lower, or the measurement cannot tell a right dataset from a wrong one. The layer convention is followed
+end to end and recorded: the manifest's layer ids -> the export's `eagle3.json` -> the draft config's
+`eagle_aux_hidden_state_layer_ids` -> the layers vLLM's target model captures at serve time (read from the
+loaded model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from eagle_states.acceptance.draft import TRAINING_FILE, DraftRecipe, train_draft
+from eagle_states.capture.speculative import measure_acceptance
+from eagle_states.dataset.files import atomic_write_json
+from eagle_states.dataset.manifest import read_manifest
+from eagle_states.export import export_dataset
+
+log = logging.getLogger(__name__)
+REPORT_FILE = "acceptance.json"
+
+
+def heldout_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
+    """The opening turns (system and user, up to the first reply) of `count` demo conversations of `seed`, with the
+    chat template's generation prompt: prompts the drafts were not trained on when `seed` is not the dataset's."""
+    from transformers import AutoTokenizer
+
+    from eagle_states.demo import demo_conversations
+
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = []
+    for row in demo_conversations(count, seed):
+        opening = []
+        for turn in row["conversations"]:
+            if turn["from"] == "gpt":
+                break
+            opening.append({"role": roles[turn["from"]], "content": turn["value"]})
+        prompts.append(tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+    return prompts
+
+
+def run_acceptance(dataset: Path, out: Path, *, recipe: DraftRecipe = DraftRecipe(), controls=(),
+                   prompts: list[list[int]], num_speculative_tokens: int = 3, max_tokens: int = 96,
+                   model: Path | None = None, dtype: str = "auto") -> dict:
+    """Export `dataset`, train a draft on it (and one per control), serve each with the target on `prompts`;
+    the report (also OUT/acceptance.json) has one row per draft. `model`: the target (default: the manifest's);
+    `dtype`: the serving engine's (float32 on a CPU, where bf16 is emulated)."""
+    dataset, out = Path(dataset), Path(out)
+    manifest = read_manifest(dataset)
+    target = Path(model or manifest["model"]["path"])
+    export = out / "export"
+    export_dataset(dataset, export, "speculators", progress=False)
+    rows = []
+    for control in ("none", *controls):
+        draft_dir = out / f"draft-{control}"
+        if not (draft_dir / TRAINING_FILE).exists():  # a run stopped after some drafts resumes after them
+            train_draft(export, target, draft_dir, recipe, control)
+        trained = json.loads((draft_dir / TRAINING_FILE).read_text())
+        served = measure_acceptance(target, draft_dir, prompts, num_speculative_tokens=num_speculative_tokens,
+                                    max_tokens=max_tokens, dtype=dtype)
+        rows.append({"draft": control, **served.summary(), "train_final_loss": trained["final_loss"],
+                     "train_steps": trained["steps"], "val": trained["val"],
+                     "trained_on_layer_ids": trained["trained_on_layer_ids"]})
+        log.info("acceptance of the %s draft: %.3f (mean length %.2f)", control, served.acceptance_rate,
+                 served.mean_acceptance_length)
+    report = {"dataset": str(dataset), "target": str(target), "manifest_layer_ids": manifest["layer_ids"],
+              "layer_semantics": manifest["layer_semantics"], "recipe": trained["recipe"],
+              "num_speculative_tokens": num_speculative_tokens, "max_tokens": max_tokens, "dtype": dtype,
+              "prompts": len(prompts), "drafts": rows}
+    atomic_write_json(out / REPORT_FILE, report)
+    return report
+
+
+def table(report: dict) -> str:
+    """The report as a few lines a person reads."""
+    lines = [f"{'draft':<18}{'accept':>8}{'length':>8}  per position        loss   layers (trained -> served)"]
+    for row in report["drafts"]:
+        per = " ".join(f"{x:.2f}" for x in row["per_position"])
+        lines.append(f"{row['draft']:<18}{row['acceptance_rate']:>8.3f}{row['mean_acceptance_length']:>8.2f}  "
+                     f"{per:<18}{row['train_final_loss']:>6.3f}   {row['trained_on_layer_ids']} -> "
+                     f"{row['captured_layer_ids']}")
+    return "\n".join(lines)
