@@ -90,8 +90,10 @@ def cmd_regenerate(args) -> int:
 def cmd_extract(args) -> int:
     from eagle_states import stages
 
+    from tasks.local_workers import ENGINE_WORKERS
+
     params = _load(args, **{"output.dir": args.out})
-    _print(stages.extract(params, progress=not args.no_progress))
+    _print(stages.extract(params, progress=not args.no_progress, workers=ENGINE_WORKERS))
     print(f"dataset written to {params.output.dir}")
     return 0
 

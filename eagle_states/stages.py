@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 from eagle_states import export as exporting
@@ -260,22 +261,27 @@ def _extract_outcome(params: PipelineParams, manifest: dict) -> ExtractOutcome:
                           manifest["num_loss_tokens"], manifest["layer_ids"], manifest["dtype"])
 
 
-def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None) -> ExtractOutcome:
-    """Capture every unfinished shard and finalize the dataset: with one engine in this process, or on engine
-    workers fed through Prefect (`tasks.local_workers.uses_engine_workers` decides). Holds the output's lock."""
+@dataclass(frozen=True)
+class EngineWorkerPath:
+    """Engine workers that can compute a run's shards instead of this process: given by the caller (the command
+    line and the flow pass Prefect's, `tasks.local_workers.ENGINE_WORKERS`), so that this layer imports nothing
+    above it. `serves(params, serving_key)` decides; `compute(extraction, params)` puts every shard on disk."""
+
+    serves: Callable[[PipelineParams, str], bool]
+    compute: Callable[[Extraction, PipelineParams], None]
+
+
+def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None,
+            workers: EngineWorkerPath | None = None) -> ExtractOutcome:
+    """Capture every unfinished shard and finalize the dataset: on engine workers when `workers` serve this model
+    with these settings, else with one engine in this process. Holds the output's lock."""
     with output_lock(Path(params.output.dir)):
         extraction = open_extraction(params)
         with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir)):
-            return _extract(params, extraction, progress, engines)
-
-
-def _extract(params: PipelineParams, extraction: Extraction, progress: bool, engines: EngineHolder | None):
-    from tasks.local_workers import compute_on_workers, uses_engine_workers
-
-    if uses_engine_workers(params, extraction.serving_key):
-        compute_on_workers(extraction, params)
-        return finalize(extraction)
-    return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
+            if workers is not None and workers.serves(params, extraction.serving_key):
+                workers.compute(extraction, params)
+                return finalize(extraction)
+            return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
 
 
 # -- validate ----------------------------------------------------------------------------------------------------

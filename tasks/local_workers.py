@@ -20,6 +20,7 @@ from eagle_states.capture.engine import running_on_cpu
 from eagle_states.config import PipelineParams
 from eagle_states.extraction.driver import Extraction
 from eagle_states.extraction.stream import ShardOutcome
+from eagle_states.stages import EngineWorkerPath
 from tasks.dispatch import dispatch, serving_workers
 
 log = logging.getLogger("eagle_states.local_workers")
@@ -114,3 +115,7 @@ def compute_on_workers(extraction: Extraction, params: PipelineParams, on_done=N
         else contextlib.nullcontext()
     with workers:
         return dispatch(extraction, params, on_done)
+
+
+# what `stages.extract` is given by the command line: shards on engine workers through Prefect where they serve
+ENGINE_WORKERS = EngineWorkerPath(serves=uses_engine_workers, compute=compute_on_workers)

@@ -91,6 +91,15 @@ def test_only_the_capture_package_imports_vllm():
     assert importing and all(path.startswith("eagle_states/capture/") for path in importing), importing
 
 
+def test_the_library_imports_nothing_above_it():
+    """eagle_states/ (the stages and below) never imports the Prefect layers (tasks/, flows/); only the command
+    line, the top, chooses them (#28: stages -> tasks.local_workers -> tasks.dispatch -> stages was a circle)."""
+    upward = sorted(str(path.relative_to(REPO)) for path in (REPO / "eagle_states").rglob("*.py")
+                    if path.name != "cli.py"
+                    and re.search(r"^\s*(import (tasks|flows)\b|from (tasks|flows)[. ])", path.read_text(), re.M))
+    assert not upward, upward
+
+
 def test_a_model_that_is_not_what_its_config_says_is_refused(tmp_path):
     from eagle_states.capture.protocol import CaptureError, Setup
     from eagle_states.capture.worker import check_loaded_model
