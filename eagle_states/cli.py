@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from eagle_states import stopping
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         # vLLM's records go through the root logger (and into the flow-run logs), not a handler of its own
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes (NUMA binding) at engine start
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(vllm|torch)\.")  # their deprecations
         for handler in logging.getLogger().handlers:
             # a failure ends with one line saying what is wrong, not Prefect's tracebacks before it
             handler.setFormatter(WithoutTracebacks(handler.formatter))
@@ -484,8 +487,13 @@ PROJECT_DIRS = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" fo
 
 
 def quiet_terminal(record: logging.LogRecord) -> bool:
-    """What the terminal shows without -v: warnings and errors, and this project's own INFO lines (the Prefect
-    API still gets every record: this filters one handler, not the loggers)."""
+    """What the terminal shows without -v: warnings and errors, and this project's own INFO lines; of vLLM, its
+    errors only: its warnings at engine start (Triton's CPU backend, LD_PRELOAD, thread binding, deprecations)
+    are about vLLM's own set-up, not something a user of this tool acts on, and the capture checks what matters
+    (the model runner, the version) itself. The Prefect API still gets every record: this filters one handler,
+    not the loggers."""
+    if record.name == "vllm" or record.name.startswith("vllm."):
+        return record.levelno >= logging.ERROR
     return record.levelno >= logging.WARNING or record.pathname.startswith(PROJECT_DIRS)
 
 

@@ -146,7 +146,13 @@ def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_la
                 p.normal_(0.0, 0.06)
             elif name.endswith("e_score_correction_bias"):
                 p.zero_()
-    model.to(torch.bfloat16).to("cpu").save_pretrained(out_dir)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar for a file of a few MB is noise
+    try:
+        model.to(torch.bfloat16).to("cpu").save_pretrained(out_dir)
+    finally:
+        hf_logging.enable_progress_bar()
     config_path = out_dir / "config.json"
     config_dict = json.loads(config_path.read_text())
     config_dict["torch_dtype"] = "bfloat16"
