@@ -32,6 +32,7 @@ from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.files import atomic_write_json
 from eagle_states.extraction.driver import CaptureConfig, Extraction
+from tasks.loading import LoadingAnnouncement
 from tasks.shard_work import HEARTBEAT_S, regeneration_task, results_storage, shard_task
 
 log = logging.getLogger("eagle_states.engine_worker")
@@ -148,7 +149,15 @@ def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], Cap
     goes through Prefect's bookkeeping (two left the H200 idle for part of each shard: bench/RESULTS.md)."""
     from prefect.task_worker import TaskWorker
 
-    worker = EngineWorker(params, engine_factory)
+    # announced from before the model loads until the server lists this task worker: a run started meanwhile
+    # waits for it rather than loading a second copy of the model (tasks/loading.py)
+    announcement = LoadingAnnouncement(worker_id(), CaptureConfig(params).serving_key, str(params.model.path)).start()
+    try:
+        worker = EngineWorker(params, engine_factory)
+    except BaseException:
+        announcement.end()
+        raise
+    threading.Thread(target=_end_once_listed, args=(announcement, worker.config.serving_key), daemon=True).start()
     storage = results_storage(params.output.prefect_results)
     tasks = [shard_task(worker.compute, worker.config.serving_key, storage),
              regeneration_task(worker.regenerate, worker.config.serving_key, storage)]
@@ -165,4 +174,19 @@ def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], Cap
     try:
         asyncio.run(run())
     finally:
+        announcement.end()
         worker.service.close()
+
+
+def _end_once_listed(announcement: LoadingAnnouncement, serving_key: str, timeout_s: float = 120.0) -> None:
+    from tasks.dispatch import serving_workers  # (tasks.dispatch reads this module's claims)
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if worker_id() in serving_workers(serving_key):
+                break
+        except Exception:  # the server away for a moment: ask again
+            pass
+        time.sleep(0.5)
+    announcement.end()

@@ -22,6 +22,7 @@ from eagle_states.extraction.driver import Extraction
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.stages import EngineWorkerPath
 from tasks.dispatch import dispatch, serving_workers
+from tasks.loading import wait_for_loading
 
 log = logging.getLogger("eagle_states.local_workers")
 START_TIMEOUT_S = 900.0  # a worker loads its model before it subscribes
@@ -98,13 +99,15 @@ def local_engine_workers(params: PipelineParams, serving_key: str, count: int):
 def uses_engine_workers(params: PipelineParams, serving_key: str) -> bool:
     """Where a run's shards are computed, decided here only: on engine workers with `extract.data_parallel_size` >
     1 (local ones, started for the run) or `extract.engine: workers`; with `auto`, when a configured Prefect server
-    lists a worker serving this model and these settings; else on an engine in this process."""
+    lists a worker serving this model and these settings, or one still loading it (waited for: a run here would
+    load a second copy); else on an engine in this process."""
     from prefect.settings import get_current_settings
 
     e = params.extract
     if e.data_parallel_size > 1 or e.engine == "workers":
         return True
-    return e.engine == "auto" and bool(get_current_settings().api.url) and bool(serving_workers(serving_key))
+    return e.engine == "auto" and bool(get_current_settings().api.url) and wait_for_loading(serving_key,
+                                                                                             serving_workers)
 
 
 def compute_on_workers(extraction: Extraction, params: PipelineParams, on_done=None) -> list[ShardOutcome]:

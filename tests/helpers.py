@@ -161,3 +161,11 @@ class SlowEngine(CaptureEngine):
                 time.sleep(delay)
             return job
         return super().serve(slowed)
+
+
+class SlowLoadingEngine(CaptureEngine):
+    """The real engine, SLOW_LOAD_S seconds slower to load (a big model's minutes of loading, in small)."""
+
+    def __init__(self, settings):
+        time.sleep(float(os.environ.get("SLOW_LOAD_S", "20")))
+        super().__init__(settings)

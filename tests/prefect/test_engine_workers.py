@@ -214,3 +214,21 @@ def test_a_killed_worker_loses_nothing(cluster, reference):
 def test_a_worker_for_another_model_takes_no_shard(cluster):
     assert " computed on " not in cluster.log("other-model") and "found finished" not in cluster.log("other-model")
     assert cluster.log("other-model").count(READY) == 1
+
+
+def test_a_run_started_while_a_worker_loads_its_model_waits_for_it(cluster):
+    """#28.3: a run started 10-20 s after its engine worker loaded a model of its own beside it."""
+    extract = {**EXTRACT, "layer_ids": [2, 4, 6, 8]}  # an engine kind no other worker serves
+    cluster.start_worker("loading", {**params_for(cluster.model, cluster.tmp, "worker"), "extract": extract}, 1,
+                         "--engine-factory", "helpers:SlowLoadingEngine", SLOW_LOAD_S="25")
+    api = cluster.env["PREFECT_API_URL"]
+    deadline = time.time() + 120
+    while not any(v["name"].startswith("eagle-states-loading-")
+                  for v in httpx.post(f"{api}/variables/filter", json={}).json()):
+        assert time.time() < deadline and cluster.workers["loading"][0].poll() is None, cluster.log("loading")
+        time.sleep(0.5)
+    result, err = cluster.run("while-loading", extract=extract)
+    assert "waiting for engine worker" in err and READY not in err, err[-3000:]  # no model loaded by the run
+    assert result["computed"] == SHARDS == cluster.computed("loading", "while-loading")
+    assert not any(v["name"].startswith("eagle-states-loading-")
+                   for v in httpx.post(f"{api}/variables/filter", json={}).json()), "gone once it serves"

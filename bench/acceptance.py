@@ -1,0 +1,159 @@
+"""Acceptance side by side: drafts trained with one recipe on states from this project, on deliberately wrong
+states (the controls), on states from speculators' own data generation (vLLM's `extract_hidden_states` path, the
+peer), and on the target's own regenerated replies; each served by vLLM's EAGLE-3 on the same held-out prompts.
+The two extractions (ours and the peer's) run on the same token ids in this one run, timed side by side.
+
+    python bench/acceptance.py --model work/trained-target --out work/bench-acceptance --conversations 300 \\
+        --json bench/cpu-2026-12-01-acceptance/result.json
+
+--model: a trained target (`eagle-states make-demo-model DIR --train-steps 160`; built there when missing).
+The peer's path as speculators 0.9.0 runs it (`speculators generate-offline-data` against a vLLM server started
+with `speculative_config={"method": "extract_hidden_states"}` and `ExampleHiddenStatesConnector`), here with
+vLLM's offline `LLM` in this process: the same engine path without the HTTP hop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def params_for(args, out: Path, **regenerate):
+    from eagle_states.config import PipelineParams
+
+    return PipelineParams.model_validate({
+        "model": {"path": str(args.model), "build_demo_if_missing": False},
+        "data": {"path": str(args.data), "build_demo_if_missing": False},
+        "prepare": {"out": str(out / "prepared"), "max_length": args.max_length, "limit": args.conversations},
+        "regenerate": {"out": str(out / "regenerated"), **regenerate},
+        "extract": {"dtype": args.dtype, "max_model_len": args.max_length + 256,
+                    "max_num_batched_tokens": 4096, "shard_max_tokens": 16384},
+        "validate": {"report": str(out / "validation.json")},
+        "output": {"dir": str(out / "dataset"), "prefect_results": str(out / "results")}})
+
+
+def peer_export(model: Path, ours: Path, out: Path, layer_ids: list[int], dtype: str) -> float:
+    """speculators' data generation on the token ids of our export (row i), into a copy of that export whose
+    hidden_states/hs_{i} are the peer's; returns the peer's extraction seconds (model load excluded)."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from datasets import load_from_disk
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+    shutil.copytree(ours, out, ignore=shutil.ignore_patterns("hidden_states"))
+    (out / "hidden_states").mkdir()
+    staging = out.parent / f"{out.name}.staging"
+    staging.mkdir()
+    table = load_from_disk(str(ours))
+    ids = [table[i]["input_ids"].tolist() for i in range(len(table))]
+    llm = LLM(model=str(model), dtype=dtype, max_model_len=max(map(len, ids)) + 8, enforce_eager=True,
+              enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.2,
+              compilation_config={"custom_ops": ["-rotary_embedding"]},
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
+              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"shared_storage_path": str(staging)}})
+    started = time.monotonic()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], SamplingParams(max_tokens=1),
+                           use_tqdm=False)
+    for i, output in enumerate(outputs):
+        path = output.kv_transfer_params["hidden_states_path"]
+        load_hidden_states(path)  # waits for its writer
+        shutil.move(path, out / "hidden_states" / f"hs_{i}.safetensors")
+    seconds = time.monotonic() - started
+    del llm
+    shutil.rmtree(staging, ignore_errors=True)
+    return seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", help="conversations (default: demo conversations of seed 0)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--conversations", type=int, default=300)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--dtype", default="float32", help="extraction and serving (float32 on a CPU: bf16 is emulated)")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--max-steps", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="per regenerated turn")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from eagle_states import stages
+    from eagle_states.acceptance.draft import DraftRecipe, train_draft
+    from eagle_states.acceptance.harness import heldout_prompts, run_acceptance, table
+    from eagle_states.capture.engine import EngineHolder
+    from eagle_states.capture.speculative import measure_acceptance
+    from eagle_states.demo import write_demo_conversations
+    from eagle_states.demo_training import train_demo_model
+    from eagle_states.export import export_dataset
+    from eagle_states.extraction.driver import Extraction, run_extraction
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.model = Path(args.model)
+    if not (args.model / "config.json").exists():
+        train_demo_model(args.model, steps=160)
+    args.data = Path(args.data) if args.data else write_demo_conversations(out / "conversations.jsonl", 2 * args.conversations)
+    recipe = DraftRecipe(epochs=args.epochs, max_steps=args.max_steps)
+    prompts = heldout_prompts(args.model, args.prompts, seed=2)
+    serve = dict(prompts=prompts, max_tokens=args.max_tokens, dtype=args.dtype)
+
+    original = params_for(args, out / "original")
+    stages.prepare(original)
+    extraction = Extraction(original)
+    engines = EngineHolder()
+    engines(extraction.engine_settings())  # loaded before the clock starts, as the peer's
+    started = time.monotonic()
+    run_extraction(extraction, progress=False, engines=engines)
+    ours_s = time.monotonic() - started
+    engines.close()
+    assert stages.validate(original).valid
+    report = run_acceptance(out / "original" / "dataset", out / "original" / "acceptance", recipe=recipe,
+                            controls=("token-shift", "layer-off-by-one"), model=args.model, **serve)
+    rows = {row["draft"]: row for row in report["drafts"]}
+    tokens = json.loads((out / "original" / "dataset" / "manifest.json").read_text())["num_tokens"]
+
+    peer_dir = out / "peer" / "export"
+    peer_s = peer_export(args.model, out / "original" / "acceptance" / "export", peer_dir,
+                         report["manifest_layer_ids"], args.dtype)
+    train_draft(peer_dir, args.model, out / "peer" / "draft", recipe)
+    rows["peer (speculators' data generation)"] = {
+        "draft": "peer", **measure_acceptance(args.model, out / "peer" / "draft", **serve).summary()}
+
+    regenerated = params_for(args, out / "regenerated", enabled=True, max_new_tokens=args.max_new_tokens)
+    stages.regenerate(regenerated)
+    stages.extract(regenerated)
+    assert stages.validate(regenerated).valid
+    export_dataset(out / "regenerated" / "dataset", out / "regenerated" / "export", "speculators", progress=False)
+    train_draft(out / "regenerated" / "export", args.model, out / "regenerated" / "draft", recipe)
+    rows["regenerated replies"] = {
+        "draft": "regenerated", **measure_acceptance(args.model, out / "regenerated" / "draft", **serve).summary()}
+
+    result = {"model": str(args.model), "tokens": tokens, "recipe": report["recipe"], "prompts": len(prompts),
+              "extraction_s": {"eagle-states": round(ours_s, 2), "speculators (peer)": round(peer_s, 2)},
+              "extraction_tokens_per_s": {"eagle-states": round(tokens / ours_s), "speculators (peer)":
+                                          round(tokens / peer_s)},
+              "drafts": rows}
+    print(table({"drafts": [{**r, "draft": name, "train_final_loss": r.get("train_final_loss", float("nan")),
+                             "trained_on_layer_ids": r.get("trained_on_layer_ids", report["manifest_layer_ids"][:-1])}
+                            for name, r in rows.items()]}))
+    print(json.dumps(result["extraction_tokens_per_s"]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
