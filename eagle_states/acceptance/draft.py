@@ -23,6 +23,7 @@ import json
 import logging
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -121,8 +122,10 @@ def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: Draft
                                  num_target_layers=len(trained_on), prefetch_factor=None, preprocess=preprocess,
                                  seed=recipe.seed)
     train, val = loader("train"), loader("val")
-    losses = _fit(model, train, call, recipe)
-    metrics = _evaluate(model, val, call)
+    with warnings.catch_warnings():  # speculators' loader pins memory for an accelerator: none here, nothing to do
+        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
+        losses = _fit(model, train, call, recipe)
+        metrics = _evaluate(model, val, call)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
     patch_config_dtype(out_dir / "config.json", torch.bfloat16)
