@@ -20,8 +20,10 @@ from eagle_states.demo_training import TRAINING_FILE, train_demo_model
 
 # a budget where the draft has to read the states: it has not yet learnt the target's language from the tokens
 RECIPE = DraftRecipe(epochs=1, max_steps=40)
-ACCEPTED_AT_LEAST = 0.15  # measured 0.23 (CPU build, 8 prompts, 20 steps); the token-shift control 0.05
-SHIFTED_AT_MOST = 0.5  # of the correct draft's acceptance
+# measured on the CPU build with this recipe and these prompts: 0.477 (mean length 2.43), the token-shift control
+# 0.186 (0.39 x); bench/RESULTS.md, "Acceptance"
+ACCEPTED_AT_LEAST = 0.33
+SHIFTED_AT_MOST = 0.6  # of the correct draft's acceptance
 
 
 @pytest.fixture(scope="session")
