@@ -9,15 +9,16 @@ The two extractions (ours and the peer's) run on the same token ids in this one 
 --model: a trained target (`eagle-states make-demo-model DIR --train-steps 160`; built there when missing).
 The peer's path as speculators 0.9.0 runs it (`speculators generate-offline-data` against a vLLM server started
 with `speculative_config={"method": "extract_hidden_states"}` and `ExampleHiddenStatesConnector`), here with
-vLLM's offline `LLM` in this process: the same engine path without the HTTP hop.
+vLLM's offline `LLM` in a process of its own (bench/peer_extract.py): the same engine path without the HTTP hop;
+on the CPU build through a synchronous copy of the connector (bench/peer_hs_connector.py: the shipped one writes
+through CUDA streams).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,39 +40,12 @@ def params_for(args, out: Path, **regenerate):
         "output": {"dir": str(out / "dataset"), "prefect_results": str(out / "results")}})
 
 
-def peer_export(model: Path, ours: Path, out: Path, layer_ids: list[int], dtype: str) -> float:
-    """speculators' data generation on the token ids of our export (row i), into a copy of that export whose
-    hidden_states/hs_{i} are the peer's; returns the peer's extraction seconds (model load excluded)."""
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from datasets import load_from_disk
-    from vllm import LLM, SamplingParams, TokensPrompt
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
-
-    shutil.copytree(ours, out, ignore=shutil.ignore_patterns("hidden_states"))
-    (out / "hidden_states").mkdir()
-    staging = out.parent / f"{out.name}.staging"
-    staging.mkdir()
-    table = load_from_disk(str(ours))
-    ids = [table[i]["input_ids"].tolist() for i in range(len(table))]
-    llm = LLM(model=str(model), dtype=dtype, max_model_len=max(map(len, ids)) + 8, enforce_eager=True,
-              enable_prefix_caching=False, seed=0, gpu_memory_utilization=0.2,
-              compilation_config={"custom_ops": ["-rotary_embedding"]},
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
-              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                  "kv_connector_extra_config": {"shared_storage_path": str(staging)}})
-    started = time.monotonic()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], SamplingParams(max_tokens=1),
-                           use_tqdm=False)
-    for i, output in enumerate(outputs):
-        path = output.kv_transfer_params["hidden_states_path"]
-        load_hidden_states(path)  # waits for its writer
-        shutil.move(path, out / "hidden_states" / f"hs_{i}.safetensors")
-    seconds = time.monotonic() - started
-    del llm
-    shutil.rmtree(staging, ignore_errors=True)
-    return seconds
+def peer_export(model: Path, ours: Path, out: Path, layer_ids: list[int], dtype: str) -> dict:
+    """bench/peer_extract.py in its own process (its engine core must run in a process of its own)."""
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "peer_extract.py"), str(model),
+                           str(ours), str(out), "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -126,8 +100,9 @@ def main():
     tokens = json.loads((out / "original" / "dataset" / "manifest.json").read_text())["num_tokens"]
 
     peer_dir = out / "peer" / "export"
-    peer_s = peer_export(args.model, out / "original" / "acceptance" / "export", peer_dir,
-                         report["manifest_layer_ids"], args.dtype)
+    peer = peer_export(args.model, out / "original" / "acceptance" / "export", peer_dir,
+                       report["manifest_layer_ids"], args.dtype)
+    peer_s = peer["seconds"]
     train_draft(peer_dir, args.model, out / "peer" / "draft", recipe)
     rows["peer (speculators' data generation)"] = {
         "draft": "peer", **measure_acceptance(args.model, out / "peer" / "draft", **serve).summary()}
@@ -145,6 +120,7 @@ def main():
               "extraction_s": {"eagle-states": round(ours_s, 2), "speculators (peer)": round(peer_s, 2)},
               "extraction_tokens_per_s": {"eagle-states": round(tokens / ours_s), "speculators (peer)":
                                           round(tokens / peer_s)},
+              "peer_states_bitwise_equal_to_ours": f"{peer['bitwise_equal_to_ours']} of {peer['samples']}",
               "drafts": rows}
     print(table({"drafts": [{**r, "draft": name, "train_final_loss": r.get("train_final_loss", float("nan")),
                              "trained_on_layer_ids": r.get("trained_on_layer_ids", report["manifest_layer_ids"][:-1])}

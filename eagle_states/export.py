@@ -44,6 +44,12 @@ def check_layers(layers: LayerSelection, fmt: str) -> None:
                 f"{fmt} takes the last captured layer as the final state (layer id {layers.num_layers} = the "
                 f"output before the final norm) and the ones before it as aux layers; this dataset has layer ids "
                 f"{list(layers.layer_ids)}")
+        aux = list(layers.layer_ids[:-1])
+        if aux != sorted(aux):
+            # vLLM's EAGLE-3 feeds a draft its aux layers in ascending order whatever order its config lists them
+            # in: a draft trained on another order would read every layer in the wrong place
+            raise ExportRefused(f"{fmt}: the aux layer ids {aux} are not in ascending order, the order vLLM feeds "
+                                "them to a draft; extract with them sorted")
 
 
 def _torch_bytes(obj) -> bytes:

@@ -120,3 +120,12 @@ def test_max_model_len_beyond_the_models_context_is_refused(tmp_path):
     params = PipelineParams().override({"model.path": str(tmp_path)})
     with pytest.raises(ValueError, match=r"max_model_len \(4096\) is beyond the model's context \(2048"):
         CaptureConfig(params)
+
+
+def test_an_export_refuses_aux_layers_in_an_order_vllm_would_not_feed():
+    from eagle_states.export import ExportRefused, check_layers
+
+    check_layers(LayerSelection.resolve([2, 4, 5, 8], 8), "speculators")
+    with pytest.raises(ExportRefused, match="not in ascending order"):
+        check_layers(LayerSelection.resolve([4, 2, 5, 8], 8), "speculators")
+    check_layers(LayerSelection.resolve([4, 2, 5], 8), "speculators-legacy")  # a plain list: any order
