@@ -15,6 +15,8 @@ import math
 import time
 from pathlib import Path
 
+from eagle_states.training import optimizer_step
+
 log = logging.getLogger(__name__)
 TRAINING_FILE = "target_training.json"  # beside the weights: how the model was trained, its loss
 
@@ -57,14 +59,9 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
         chosen = blocks[torch.randint(0, len(blocks), (batch,), generator=batches)]
         logits = model(input_ids=chosen[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chosen[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(round(loss.item(), 4))
+        losses.append(optimizer_step(model, optimizer, schedule, loss))
         if step % 40 == 0 or step == steps - 1:
-            log.info("training the demo target: step %d/%d, loss %.3f", step + 1, steps, loss.item())
+            log.info("training the demo target: step %d/%d, loss %.3f", step + 1, steps, losses[-1])
     model.to(torch.bfloat16).save_pretrained(out_dir)
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())

@@ -27,6 +27,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle_states.training import optimizer_step
+
 log = logging.getLogger(__name__)
 CONTROLS = ("none", "token-shift", "layer-off-by-one")
 TRAINING_FILE = "draft_training.json"  # beside the saved draft: recipe, control, losses
@@ -152,14 +154,9 @@ def _fit(model, train, call: dict, recipe: DraftRecipe) -> list[float]:
         train.batch_sampler.set_epoch(epoch)
         for batch in train:
             _, loss, _ = model(**{k: v for k, v in batch.items() if k != "error_records"}, **call)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            losses.append(round(loss.item(), 4))
+            losses.append(optimizer_step(model, optimizer, schedule, loss))
             if len(losses) % 25 == 0:
-                log.info("draft training: step %d/%d, loss %.3f", len(losses), total, loss.item())
+                log.info("draft training: step %d/%d, loss %.3f", len(losses), total, losses[-1])
             if len(losses) >= total:
                 return losses
     return losses
