@@ -146,6 +146,13 @@ def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_la
                 p.normal_(0.0, 0.06)
             elif name.endswith("e_score_correction_bias"):
                 p.zero_()
+    save_bf16(model, out_dir)
+    return out_dir
+
+
+def save_bf16(model, out_dir: Path) -> None:
+    """`model` saved in bf16 with `torch_dtype: bfloat16` in its config.json (what vLLM's `dtype: auto` reads)."""
+    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar for a file of a few MB is noise
@@ -153,11 +160,10 @@ def make_demo_model(out_dir: Path, *, seed: int = 0, arch: str = "llama", num_la
         model.to(torch.bfloat16).to("cpu").save_pretrained(out_dir)
     finally:
         hf_logging.enable_progress_bar()
-    config_path = out_dir / "config.json"
+    config_path = Path(out_dir) / "config.json"
     config_dict = json.loads(config_path.read_text())
     config_dict["torch_dtype"] = "bfloat16"
     config_path.write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    return out_dir
 
 
 def write_demo_conversations(path: Path, count: int = 64, seed: int = 0) -> Path:

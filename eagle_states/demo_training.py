@@ -35,7 +35,7 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from eagle_states.demo import demo_conversations, make_demo_model
+    from eagle_states.demo import demo_conversations, make_demo_model, save_bf16
 
     out_dir = Path(out_dir)
     started = time.monotonic()
@@ -62,12 +62,7 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
         losses.append(optimizer_step(model, optimizer, schedule, loss))
         if step % 40 == 0 or step == steps - 1:
             log.info("training the demo target: step %d/%d, loss %.3f", step + 1, steps, losses[-1])
-    model.to(torch.bfloat16).save_pretrained(out_dir)
-    config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config["torch_dtype"] = "bfloat16"
-    config.pop("dtype", None)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_bf16(model, out_dir)
     (out_dir / TRAINING_FILE).write_text(json.dumps({
         "steps": steps, "seed": seed, "conversations": conversations, "data_seed": data_seed, "seq_len": seq_len,
         "batch": batch, "lr": lr, "tokens_seen": steps * batch * seq_len, "final_loss": losses[-1],
