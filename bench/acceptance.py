@@ -45,7 +45,7 @@ def peer_export(model: Path, ours: Path, out: Path, layer_ids: list[int], dtype:
     done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "peer_extract.py"), str(model),
                            str(ours), str(out), "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype],
                           capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"seconds"')))
 
 
 def main():
