@@ -4,8 +4,10 @@ Raise CAPTURE_FORMAT_VERSION in the change that alters the bytes of a shard made
 and settings (the hooks, the assembly of rows into samples, how shards are admitted into engine steps, the shard
 file's layout, its writer or a codec's framing). Finished shards of an older format are then computed again;
 nothing else in the source decides that, so an edit that leaves the bytes as they were (a comment, a rename, a
-faster writer) keeps every finished shard. The golden-bytes tests (tests/engine/test_golden_bytes.py) pin the
-bytes of a fixed extraction and fail on a change that alters them without raising the version.
+faster writer) keeps every finished shard. The golden-bytes tests (tests/engine/test_golden_bytes.py) pin, for a
+fixed extraction, every byte of its shards that this code decides (layout, keys, dtypes, shapes, metadata, token
+ids, masks; the states' values are the engine's numerics, held to Hugging Face's by other tests) and fail on a
+change that alters them without raising the version.
 
 An engine upgrade (vLLM, torch, the CPU or GPU it runs on) is not a format change: finished shards are kept (their
 states match Hugging Face's within the tolerance the tests hold them to, and a recomputation of a 20-minute model
