@@ -483,12 +483,9 @@ class RestartingEngines(EngineHolder):
 
 def _uses_mla(model: str) -> bool:
     """Whether the model's attention is DeepSeek's MLA (its config has a compressed KV rank)."""
-    import json
+    from eagle_states.dataset.identity import read_model_config
 
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
+    config = read_model_config(Path(model))
     return bool(config.get("text_config", config).get("kv_lora_rank"))
 
 
