@@ -84,7 +84,7 @@ def main():
 
     with prefect_server(work / "server") as env:
         os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
-        from tasks.dispatch import dispatch, serving_workers  # noqa: E402  (after the API is set)
+        from eagle_states.coordination.dispatch import dispatch, serving_workers  # noqa: E402  (after the API is set)
 
         key = Extraction(params("warm")).serving_key
         (work / "worker.yaml").write_text(yaml.safe_dump(params("worker").model_dump(mode="json", by_alias=True)))

@@ -90,11 +90,10 @@ def cmd_regenerate(args) -> int:
 
 def cmd_extract(args) -> int:
     from eagle_states import stages
-
-    from tasks.local_workers import ENGINE_WORKERS
+    from eagle_states.coordination.placement import shards_on_workers
 
     params = _load(args, **{"output.dir": args.out})
-    _print(stages.extract(params, progress=not args.no_progress, workers=ENGINE_WORKERS))
+    _print(stages.extract(params, progress=not args.no_progress, on_workers=shards_on_workers))
     print(f"dataset written to {params.output.dir}")
     return 0
 
@@ -236,7 +235,7 @@ def cmd_engine_worker(args) -> int:
         os.environ["VLLM_CPU_OMP_THREADS_BIND" if running_on_cpu() else "CUDA_VISIBLE_DEVICES"] = \
             args.gpus.replace(",", "|") if running_on_cpu() else args.gpus
     params = _load(args)
-    from tasks.engine_worker import serve
+    from eagle_states.coordination.engine_worker import serve
 
     module, _, name = args.engine_factory.partition(":")
     serve(params, getattr(importlib.import_module(module), name), limit=args.limit)

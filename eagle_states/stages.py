@@ -261,25 +261,16 @@ def _extract_outcome(params: PipelineParams, manifest: dict) -> ExtractOutcome:
                           manifest["num_loss_tokens"], manifest["layer_ids"], manifest["dtype"])
 
 
-@dataclass(frozen=True)
-class EngineWorkerPath:
-    """Engine workers that can compute a run's shards instead of this process: given by the caller (the command
-    line and the flow pass Prefect's, `tasks.local_workers.ENGINE_WORKERS`), so that this layer imports nothing
-    above it. `serves(params, serving_key)` decides; `compute(extraction, params)` puts every shard on disk."""
-
-    serves: Callable[[PipelineParams, str], bool]
-    compute: Callable[[Extraction, PipelineParams], None]
-
-
 def extract(params: PipelineParams, progress: bool = False, engines: EngineHolder | None = None,
-            workers: EngineWorkerPath | None = None) -> ExtractOutcome:
-    """Capture every unfinished shard and finalize the dataset: on engine workers when `workers` serve this model
-    with these settings, else with one engine in this process. Holds the output's lock."""
+            on_workers: Callable[[Extraction], bool] | None = None) -> ExtractOutcome:
+    """Capture every unfinished shard and finalize the dataset, with one engine in this process unless
+    `on_workers(extraction)` computed them on engine workers (True). That path is the caller's (the command line
+    gives `coordination.placement.shards_on_workers`), so that this layer imports nothing above it. Holds the
+    output's lock."""
     with output_lock(Path(params.output.dir)):
         extraction = open_extraction(params)
         with stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir)):
-            if workers is not None and workers.serves(params, extraction.serving_key):
-                workers.compute(extraction, params)
+            if on_workers is not None and on_workers(extraction):
                 return finalize(extraction)
             return _extract_outcome(params, run_extraction(extraction, progress=progress, engines=engines))
 

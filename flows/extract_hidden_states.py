@@ -17,6 +17,9 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle_states import stopping
 from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
+from eagle_states.coordination.placement import Placement, compute_on_workers, placement
+from eagle_states.coordination.records import JsonRecordSerializer, keep_run_records_in, results_storage
+from eagle_states.coordination.session import Session, extraction_session, flow_engines
 from eagle_states.dataset.files import sha256_file
 from eagle_states.dataset.layout import MANIFEST_FILE
 from eagle_states.dataset.output_lock import output_lock
@@ -25,12 +28,9 @@ from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
 from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
-from tasks.local_workers import compute_on_workers, uses_engine_workers
 from tasks.prepare import prepare_task
 from tasks.publish import publish_task
 from tasks.regenerate import regenerate_task
-from tasks.session import Session, extraction_session, flow_engines
-from tasks.shard_work import JsonRecordSerializer, keep_run_records_in, results_storage
 from tasks.validate import validate_task
 
 
@@ -72,17 +72,18 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     with output_lock(Path(params.output.dir)), written_input, \
             stopping.on_stop(callback=report_stopped, describe=lambda: kept_shards_line(params.output.dir)):
         progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
+        where = placement(params)  # once: the regeneration and the shards follow it
         prepared = regenerated = None
         with flow_engines(engine_factory, lambda state: update_progress_artifact(
                 progress, 0.0, description=state)) as engines:
             if params.regenerate.enabled:  # its output is the extraction's input; one engine for both
                 with timed(stages, "regenerate"):
-                    regenerated = regenerate_task(params, engines.key)
+                    regenerated = regenerate_task(params, engines.key, where.regenerates_on_workers)
             else:
                 with timed(stages, "prepare"):
                     prepared = prepare_task(params)
             with timed(stages, "extract"), extraction_session(params, engines) as session:
-                outcomes = compute_shards(session, params, progress)
+                outcomes = compute_shards(session, where, progress)
                 extracted = finalize_dataset_task(session.key)
                 lengths = [len(s.input_ids) for s in session.extraction.samples]
         if engines.slot_wait_s:  # waiting for another run's GPU is not extraction (or regeneration) time
@@ -109,11 +110,11 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
             "stage_seconds": stages, "workers": sorted({o.worker for o in outcomes if o.computed and o.worker})}
 
 
-def compute_shards(session: Session, params: PipelineParams, progress) -> list[ShardOutcome]:
-    """Every shard on disk: on engine workers when they serve this model and these settings (or on local ones
-    started for the run, with `extract.data_parallel_size` > 1), else on the flow run's own engine."""
-    extraction, logger = session.extraction, get_run_logger()
-    if not uses_engine_workers(params, extraction.serving_key):
+def compute_shards(session: Session, where: Placement, progress) -> list[ShardOutcome]:
+    """Every shard on disk: on engine workers when the run's placement says so (those the server lists, or local
+    ones started for the run), else on the flow run's own engine."""
+    extraction, logger, params = session.extraction, get_run_logger(), session.extraction.params
+    if where is Placement.HERE:
         logger.info("the flow run computes the shards on its own engine (extract.engine: %s; no engine worker "
                     "serves %s with these settings)", params.extract.engine, params.model.path)
         return run_shards(session, params.output.prefect_results, progress)
@@ -125,7 +126,7 @@ def compute_shards(session: Session, params: PipelineParams, progress) -> list[S
     def on_done(outcome: ShardOutcome):
         done.append(outcome)
         update_progress_artifact(progress, 100.0 * len(done) / len(extraction.shards))
-    compute_on_workers(extraction, params, on_done)
+    compute_on_workers(extraction, where, on_done)
     update_progress_artifact(progress, 100.0)
     outcomes = sorted(done, key=lambda o: o.shard)
     computed = sum(o.computed for o in outcomes)

@@ -4,7 +4,7 @@ from prefect import task
 
 from eagle_states import stages
 from eagle_states.config import PipelineParams
-from tasks.retry import transient_only
+from eagle_states.coordination.retry import transient_only
 
 
 @task(name="export", task_run_name="export-{fmt}", tags=["eagle-states", "export"], retries=1,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 
 from eagle_states import stages
+from eagle_states.coordination.records import JsonRecordSerializer
+from eagle_states.coordination.retry import transient_only
+from eagle_states.coordination.session import get_session
 from eagle_states.extraction.stream import ShardOutcome
-from tasks.retry import transient_only
-from tasks.session import get_session
-from tasks.shard_work import JsonRecordSerializer
 
 
 def _cache_key(context, parameters) -> str:

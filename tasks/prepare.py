@@ -4,7 +4,7 @@ from prefect import task
 
 from eagle_states import stages
 from eagle_states.config import PipelineParams
-from tasks.retry import transient_only
+from eagle_states.coordination.retry import transient_only
 
 
 @task(name="prepare", task_run_name="prepare", tags=["eagle-states", "prepare"], retries=1, retry_delay_seconds=5,

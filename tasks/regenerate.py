@@ -7,19 +7,16 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from eagle_states import stages
 from eagle_states.config import PipelineParams
-from eagle_states.extraction.driver import CaptureConfig
-from tasks.retry import transient_only
-from tasks.session import get_engines
+from eagle_states.coordination.dispatch import regenerate_on_workers
+from eagle_states.coordination.retry import transient_only
+from eagle_states.coordination.session import get_engines
 
 
 @task(name="regenerate", task_run_name="regenerate", tags=["eagle-states", "regenerate"], retries=1,
       retry_delay_seconds=5, retry_condition_fn=transient_only)
-def regenerate_task(params: PipelineParams, engines_key: str) -> stages.RegenerateOutcome:
-    from tasks.dispatch import regenerate_on_workers
-    from tasks.local_workers import uses_engine_workers
-
-    # local workers (data_parallel_size > 1) are started for the shards only: regeneration runs here then
-    if params.extract.data_parallel_size == 1 and uses_engine_workers(params, CaptureConfig(params).serving_key):
+def regenerate_task(params: PipelineParams, engines_key: str, on_workers: bool) -> stages.RegenerateOutcome:
+    """`on_workers`: the run's placement says engine workers regenerate (`coordination.placement`)."""
+    if on_workers:
         return regenerate_on_workers(params)
     engines = get_engines(engines_key).holder
     progress = create_progress_artifact(0.0, key="regeneration-progress", description="conversations regenerated")

@@ -5,8 +5,8 @@ from prefect.artifacts import create_table_artifact
 
 from eagle_states import stages
 from eagle_states.config import PipelineParams
+from eagle_states.coordination.retry import transient_only
 from eagle_states.validate import ValidationFailed
-from tasks.retry import transient_only
 
 
 @task(name="validate", task_run_name="validate", tags=["eagle-states", "validate"], retries=2,

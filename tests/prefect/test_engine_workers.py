@@ -18,7 +18,7 @@ from eagle_states.config import PipelineParams
 from eagle_states.demo import make_demo_model, write_demo_conversations
 from eagle_states.extraction.driver import CaptureConfig
 from helpers import BIN, REPO, prefect_server, stop
-from tasks.shard_work import task_key
+from eagle_states.coordination.worker_tasks import task_key
 
 DELAY_S = 8.0  # the slowed worker's extra seconds per shard
 SHARDS = 16

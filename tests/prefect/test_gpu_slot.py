@@ -13,11 +13,11 @@ from pathlib import Path
 import yaml
 
 from helpers import BIN, REPO, prefect_server
-from tasks.session import GPU_SLOT_LEASE_S
+from eagle_states.coordination.session import GPU_SLOT_LEASE_S
 
 HOLD = """
 import contextlib, time
-from tasks.session import hold_gpu_slot
+from eagle_states.coordination.session import hold_gpu_slot
 with contextlib.ExitStack() as guard:
     hold_gpu_slot(guard)
     print("held", flush=True)

@@ -22,11 +22,12 @@ from prefect._internal.result_records import ResultRecord
 from prefect.results import ResultStore
 from prefect.testing.utilities import prefect_test_harness
 
+from eagle_states.coordination.records import (JsonRecordSerializer, JsonRecordsFileSystem, UnsafeRecord,
+                                               results_storage)
+from eagle_states.coordination.worker_tasks import shard_task
 from eagle_states.demo import demo_conversations
 from eagle_states.extraction.stream import ShardOutcome
 from helpers import REPO
-from tasks.shard_work import (JsonRecordSerializer, JsonRecordsFileSystem, UnsafeRecord, results_storage,
-                              shard_task)
 
 EAGLE_STATES = str(Path(sys.executable).parent / "eagle-states")
 OUTCOME = ShardOutcome("shard-00000", "ab" * 32, 1234, 3, 456, True)
@@ -198,7 +199,7 @@ def test_a_task_worker_refuses_planted_parameters_and_a_future_a_planted_result(
     def on_a_worker(run):
         async def execute():
             worker = TaskWorker(task)
-            for served in worker.tasks:  # as tasks.engine_worker.serve: a copy derives its key anew
+            for served in worker.tasks:  # as coordination.engine_worker.serve: a copy derives its key anew
                 served.task_key = task.task_key
             await worker.execute_task_run(run)
         asyncio.run(execute())
@@ -275,7 +276,7 @@ def test_a_flow_runs_records_go_to_its_results_directory_and_read_back_from_the_
     from prefect import flow, task
     from prefect.client.orchestration import get_client
 
-    from tasks.shard_work import keep_run_records_in
+    from eagle_states.coordination.records import keep_run_records_in
 
     directory, _ = results
 

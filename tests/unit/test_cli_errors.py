@@ -9,8 +9,8 @@ import time
 import pytest
 
 from eagle_states.cli import main
+from eagle_states.coordination.retry import is_permanent
 from helpers import model_too_big_for_the_disk, write_prompt_jsonl
-from tasks.retry import is_permanent
 
 
 @pytest.fixture

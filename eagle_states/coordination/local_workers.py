@@ -18,11 +18,7 @@ import yaml
 
 from eagle_states.capture.engine import running_on_cpu
 from eagle_states.config import PipelineParams
-from eagle_states.extraction.driver import Extraction
-from eagle_states.extraction.stream import ShardOutcome
-from eagle_states.stages import EngineWorkerPath
-from tasks.dispatch import dispatch, serving_workers
-from tasks.loading import wait_for_loading
+from eagle_states.coordination.dispatch import serving_workers
 
 log = logging.getLogger("eagle_states.local_workers")
 START_TIMEOUT_S = 900.0  # a worker loads its model before it subscribes
@@ -94,31 +90,3 @@ def local_engine_workers(params: PipelineParams, serving_key: str, count: int):
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-
-
-def uses_engine_workers(params: PipelineParams, serving_key: str) -> bool:
-    """Where a run's shards are computed, decided here only: on engine workers with `extract.data_parallel_size` >
-    1 (local ones, started for the run) or `extract.engine: workers`; with `auto`, when a configured Prefect server
-    lists a worker serving this model and these settings, or one still loading it (waited for: a run here would
-    load a second copy); else on an engine in this process."""
-    from prefect.settings import get_current_settings
-
-    e = params.extract
-    if e.data_parallel_size > 1 or e.engine == "workers":
-        return True
-    return e.engine == "auto" and bool(get_current_settings().api.url) and wait_for_loading(serving_key,
-                                                                                             serving_workers)
-
-
-def compute_on_workers(extraction: Extraction, params: PipelineParams, on_done=None) -> list[ShardOutcome]:
-    """The unfinished shards on engine workers: `extract.data_parallel_size` local ones started for this when it is
-    above 1, else the ones the Prefect server lists (`tasks.dispatch.dispatch`)."""
-    count = params.extract.data_parallel_size
-    workers = local_engine_workers(params, extraction.serving_key, count) if count > 1 and extraction.unfinished() \
-        else contextlib.nullcontext()
-    with workers:
-        return dispatch(extraction, params, on_done)
-
-
-# what `stages.extract` is given by the command line: shards on engine workers through Prefect where they serve
-ENGINE_WORKERS = EngineWorkerPath(serves=uses_engine_workers, compute=compute_on_workers)

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import socket
 import threading
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Callable
 
 from prefect import get_run_logger
@@ -29,16 +27,15 @@ from eagle_states import stages
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings
 from eagle_states.capture.service import EngineService
 from eagle_states.config import PipelineParams
+from eagle_states.coordination.claims import Claim, regeneration_claim, worker_id
+from eagle_states.coordination.dispatch import serving_workers
+from eagle_states.coordination.loading import LoadingAnnouncement
+from eagle_states.coordination.records import results_storage
+from eagle_states.coordination.worker_tasks import regeneration_task, shard_task
 from eagle_states.dataset import layout
-from eagle_states.dataset.files import atomic_write_json
 from eagle_states.extraction.driver import CaptureConfig, Extraction
-from tasks.loading import LoadingAnnouncement
-from tasks.shard_work import HEARTBEAT_S, regeneration_task, results_storage, shard_task
 
 log = logging.getLogger("eagle_states.engine_worker")
-def worker_id() -> str:
-    """As Prefect's task worker names itself (`TaskWorker.client_id`), so its liveness can be asked of the server."""
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 class EngineWorker:
@@ -101,47 +98,6 @@ class EngineWorker:
         return dataclasses.asdict(outcome)
 
 
-def regeneration_claim(params: PipelineParams) -> Path:
-    """The claim of the worker regenerating into `regenerate.out` (beside it: DVC tracks the folder)."""
-    out = Path(params.regenerate.out).resolve()
-    return out.parent / f".{out.name}.claim.json"
-
-
-class Claim:
-    """A file naming the worker computing a shard, touched every HEARTBEAT_S while it does; removed after."""
-
-    def __init__(self, path: Path, devices: str):
-        self.path, self.devices = path, devices
-        self._stop = threading.Event()
-
-    def __enter__(self):
-        atomic_write_json(self.path, {"worker": worker_id(), "host": socket.gethostname(), "devices": self.devices,
-                                      "since": time.time()}, durable=False)
-        self._beat = threading.Thread(target=self._touch, daemon=True)
-        self._beat.start()
-        return self
-
-    def _touch(self):
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                os.utime(self.path)
-            except FileNotFoundError:  # finalized under us: nothing left to claim
-                return
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._beat.join()
-        self.path.unlink(missing_ok=True)
-
-
-def read_claim(path: Path) -> tuple[dict, float] | None:
-    """The claim and the seconds since its last heartbeat, or None."""
-    try:
-        return json.loads(path.read_text()), time.time() - path.stat().st_mtime
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], CaptureEngine] = CaptureEngine,
           limit: int = 3) -> None:
     """Load the engine, then take shard tasks from the Prefect server until stopped. `limit` shard tasks run at
@@ -150,7 +106,7 @@ def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], Cap
     from prefect.task_worker import TaskWorker
 
     # announced from before the model loads until the server lists this task worker: a run started meanwhile
-    # waits for it rather than loading a second copy of the model (tasks/loading.py)
+    # waits for it rather than loading a second copy of the model (coordination/loading.py)
     announcement = LoadingAnnouncement(worker_id(), CaptureConfig(params).serving_key, str(params.model.path)).start()
     try:
         worker = EngineWorker(params, engine_factory)
@@ -179,8 +135,6 @@ def serve(params: PipelineParams, engine_factory: Callable[[EngineSettings], Cap
 
 
 def _end_once_listed(announcement: LoadingAnnouncement, serving_key: str, timeout_s: float = 120.0) -> None:
-    from tasks.dispatch import serving_workers  # (tasks.dispatch reads this module's claims)
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from eagle_states import stages
 from eagle_states.config import PipelineParams
+from eagle_states.coordination.claims import read_claim, regeneration_claim
+from eagle_states.coordination.records import results_storage
+from eagle_states.coordination.worker_tasks import (regeneration_task, shard_task, submitted_regeneration,
+                                                    submitted_shard, task_key)
+from eagle_states.dataset.layout import claim_path
 from eagle_states.extraction.driver import CaptureConfig, Extraction
 from eagle_states.extraction.stream import ShardOutcome
-from eagle_states.dataset.layout import claim_path
-from tasks.engine_worker import read_claim, regeneration_claim
-from tasks.shard_work import (regeneration_task, results_storage, shard_task, submitted_regeneration, submitted_shard,
-                              task_key)
 
 log = logging.getLogger("eagle_states.dispatch")
 POLL_S = 0.5
