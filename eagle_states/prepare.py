@@ -221,7 +221,7 @@ class PrepareResult:
     mask_method: str = ""
 
 
-def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PrepareParams, fmt: str,
+def prepare_rows(rows: list[tuple[int, object]], tokenizer, prepare_params: PrepareParams, fmt: str,
                  template_key: str, progress: bool = False) -> PrepareResult:
     from tqdm import tqdm
 
@@ -230,8 +230,8 @@ def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PreparePar
     result.format = fmt if fmt != "auto" else detect_format(parsed)
     render, result.mask_method = renderer(tokenizer)
     order = list(range(len(rows)))
-    if settings.shuffle_seed is not None:
-        random.Random(settings.shuffle_seed).shuffle(order)
+    if prepare_params.shuffle_seed is not None:
+        random.Random(prepare_params.shuffle_seed).shuffle(order)
     seen: Counter = Counter()
 
     def skip(source_row, reason, detail=""):
@@ -239,25 +239,25 @@ def prepare_rows(rows: list[tuple[int, object]], tokenizer, settings: PreparePar
 
     for position in tqdm(order, desc="prepare", unit="row", disable=not progress):
         source_row, row = rows[position]
-        if settings.limit is not None and len(result.samples) >= settings.limit:
-            skip(source_row, "over_limit", f"limit {settings.limit}")
+        if prepare_params.limit is not None and len(result.samples) >= prepare_params.limit:
+            skip(source_row, "over_limit", f"limit {prepare_params.limit}")
             continue
         try:
             messages = parse_row(row, result.format)
             key = dedup_key(messages)
-            if seen[key] and settings.dedup:
+            if seen[key] and prepare_params.dedup:
                 raise SkipRow("duplicate", "an identical conversation came earlier")
             occurrence = seen[key]
             if isinstance(messages, str):
                 ids, mask = render_text(tokenizer, messages)
             else:
                 ids, mask = render(tokenizer, messages)
-            if len(ids) > settings.max_length:
-                if settings.overlong == "drop":
-                    raise SkipRow("too_long", f"{len(ids)} tokens > max_length {settings.max_length}")
-                ids, mask = ids[: settings.max_length], mask[: settings.max_length]
-            if sum(mask) < settings.min_loss_tokens:
-                raise SkipRow("too_few_loss_tokens", f"{sum(mask)} loss tokens < {settings.min_loss_tokens}")
+            if len(ids) > prepare_params.max_length:
+                if prepare_params.overlong == "drop":
+                    raise SkipRow("too_long", f"{len(ids)} tokens > max_length {prepare_params.max_length}")
+                ids, mask = ids[: prepare_params.max_length], mask[: prepare_params.max_length]
+            if sum(mask) < prepare_params.min_loss_tokens:
+                raise SkipRow("too_few_loss_tokens", f"{sum(mask)} loss tokens < {prepare_params.min_loss_tokens}")
             seen[key] += 1
             result.samples.append({
                 "sample_id": sample_id_for(messages, template_key, occurrence), "source_row": source_row,
@@ -277,7 +277,7 @@ def load_tokenizer(model_dir: Path):
     return tokenizer
 
 
-def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PrepareParams, *, fmt: str,
+def prepare(data_path: Path, model_dir: Path, out_dir: Path, prepare_params: PrepareParams, *, fmt: str,
             progress: bool = True, identity: str | None = None) -> dict:
     """Prepare `data_path` into `out_dir`; returns the report (written last, with `identity`, what the caller
     uses to recognise output made from the same inputs, and the sha256 of samples.parquet)."""
@@ -289,12 +289,12 @@ def prepare(data_path: Path, model_dir: Path, out_dir: Path, settings: PreparePa
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / REPORT_FILE).unlink(missing_ok=True)  # the report marks a finished preparation: drop it first
-    result = prepare_rows(rows, tokenizer, settings, fmt, template_key, progress)
+    result = prepare_rows(rows, tokenizer, prepare_params, fmt, template_key, progress)
     log.info("prepare: %s format, masks from %s", result.format, result.mask_method)
 
     report = write_prepared(out_dir, result.samples, result.skipped, len(tokenizer), {
         "source": str(data_path), "data_sha256": sha256_file(data_path), "format": result.format, "mask_method": result.mask_method,
-        "rows_read": result.rows_read, "settings": {**settings.model_dump(exclude={"out"}), "format": fmt},
+        "rows_read": result.rows_read, "settings": {**prepare_params.model_dump(exclude={"out"}), "format": fmt},
         "tokenizer_sha256": template_key, "identity": identity})
     return report
 

@@ -24,10 +24,6 @@ class NotValidated(RuntimeError):
     pass
 
 
-class PushFailed(RuntimeError):
-    pass
-
-
 def _run(args: list[str], cwd: Path) -> str:
     done = subprocess.run(args, cwd=cwd, capture_output=True, text=True)
     if done.returncode != 0:

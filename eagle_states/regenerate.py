@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from eagle_states.capture.engine import CaptureEngine, EngineSettings, FollowUp, Generated, Generation, ShardJob
-from eagle_states.config import PipelineParams
+from eagle_states.config import PipelineParams, PrepareParams
 from eagle_states.dataset.capture_format import CAPTURE_FORMAT_VERSION
 from eagle_states.dataset.files import atomic_write_bytes, hash_files, hash_json, sha256_file
 from eagle_states.dataset.identity import model_identity
@@ -93,7 +93,7 @@ class Regeneration:
 
     def __init__(self, params: PipelineParams, tokenizer, rows: list[tuple[int, object]],
                  capture: CaptureConfig | None = None):
-        settings, self.params = params.prepare, params
+        self.params = params
         self.tokenizer, self.capture = tokenizer, capture
         self.render, self.mask_method = renderer(tokenizer)
         self.template_key = model_identity(Path(params.model.path))["tokenizer_sha256"]
@@ -103,7 +103,7 @@ class Regeneration:
         self.format = params.data.format if params.data.format != "auto" else detect_format(parsed)
         self.skipped: list[dict] = []
         self.selected: list[_Conversation] = []
-        self._select(rows, settings)
+        self._select(rows, params.prepare)
         self.decided: dict[int, dict | None] = {}  # order -> sample, or None when skipped
         self.next_out = 0  # the first order not yet handed to the output
         self.samples: list[dict] = []
@@ -114,22 +114,22 @@ class Regeneration:
         self.turns = self.generated_tokens = self.truncated_turns = 0
 
     # -- selection, as prepare selects --------------------------------------------------------------------------
-    def _select(self, rows, settings) -> None:
+    def _select(self, rows, prepare_params: PrepareParams) -> None:
         order = list(range(len(rows)))
-        if settings.shuffle_seed is not None:
-            random.Random(settings.shuffle_seed).shuffle(order)
+        if prepare_params.shuffle_seed is not None:
+            random.Random(prepare_params.shuffle_seed).shuffle(order)
         seen: Counter = Counter()
         for position in order:
             source_row, row = rows[position]
-            if settings.limit is not None and len(self.selected) >= settings.limit:
-                self._skip(source_row, "over_limit", f"limit {settings.limit}")
+            if prepare_params.limit is not None and len(self.selected) >= prepare_params.limit:
+                self._skip(source_row, "over_limit", f"limit {prepare_params.limit}")
                 continue
             try:
                 messages = parse_row(row, self.format, require_assistant=False)
                 if isinstance(messages, str):
                     raise SkipRow("plain_text", "a text row has no turn to answer")
                 key = dedup_key(messages)
-                if seen[key] and settings.dedup:
+                if seen[key] and prepare_params.dedup:
                     raise SkipRow("duplicate", "an identical conversation came earlier")
                 seen[key] += 1
                 if messages[-1]["role"] == "user":  # a prompt waiting for its answer

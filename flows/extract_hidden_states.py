@@ -19,7 +19,7 @@ from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.config import PipelineParams, load_params
 from eagle_states.coordination.placement import Placement, compute_on_workers, placement
 from eagle_states.coordination.records import JsonRecordSerializer, keep_run_records_in, results_storage
-from eagle_states.coordination.session import Session, extraction_session, flow_engines
+from eagle_states.coordination.session import Session, extraction_session, open_flow_engine
 from eagle_states.dataset.files import sha256_file
 from eagle_states.dataset.layout import MANIFEST_FILE
 from eagle_states.dataset.output_lock import output_lock
@@ -65,7 +65,7 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     """The flow's body, with the engine factory its shard tasks use (a flow parameter cannot carry one)."""
     forward_library_logs()
     stopping.install()  # again: Prefect's flow engine has put its own SIGTERM handler in place
-    stages: dict[str, float] = {}
+    stage_seconds: dict[str, float] = {}
     # the input this run writes (prepare.out or regenerate.out) is held too: another run sharing it would
     # otherwise replace it under this one
     written_input = nullcontext() if params.extract.input else output_lock(Path(params.extract_input))
@@ -74,29 +74,29 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
         progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
         where = placement(params)  # once: the regeneration and the shards follow it
         prepared = regenerated = None
-        with flow_engines(engine_factory, lambda state: update_progress_artifact(
-                progress, 0.0, description=state)) as engines:
+        with open_flow_engine(engine_factory, lambda state: update_progress_artifact(
+                progress, 0.0, description=state)) as flow_engine:
             if params.regenerate.enabled:  # its output is the extraction's input; one engine for both
-                with timed(stages, "regenerate"):
-                    regenerated = regenerate_task(params, engines.key, where.regenerates_on_workers)
+                with timed(stage_seconds, "regenerate"):
+                    regenerated = regenerate_task(params, flow_engine.handle, where.regenerates_on_workers)
             else:
-                with timed(stages, "prepare"):
+                with timed(stage_seconds, "prepare"):
                     prepared = prepare_task(params)
-            with timed(stages, "extract"), extraction_session(params, engines) as session:
+            with timed(stage_seconds, "extract"), extraction_session(params, flow_engine) as session:
                 outcomes = compute_shards(session, where, progress)
-                extracted = finalize_dataset_task(session.key)
+                extracted = finalize_dataset_task(session.handle)
                 lengths = [len(s.input_ids) for s in session.extraction.samples]
-        if engines.slot_wait_s:  # waiting for another run's GPU is not extraction (or regeneration) time
-            stages["gpu_slot_wait"] = sum(engines.slot_wait_s)
+        if flow_engine.slot_wait_s:  # waiting for another run's GPU is not extraction (or regeneration) time
+            stage_seconds["gpu_slot_wait"] = sum(flow_engine.slot_wait_s)
             loaded_in = "regenerate" if regenerated is not None and not regenerated.reused else "extract"
-            stages[loaded_in] -= stages["gpu_slot_wait"]
-        with timed(stages, "validate"):
+            stage_seconds[loaded_in] -= stage_seconds["gpu_slot_wait"]
+        with timed(stage_seconds, "validate"):
             summary = validate_task(params)
         exports = [export_task(params, fmt) for fmt in params.export.formats]
         published = publish_task(params) if params.publish.enabled else None
     manifest_sha256 = sha256_file(Path(params.output.dir) / MANIFEST_FILE)
     report = render_markdown(dataset=params.output.dir, manifest=asdict(extracted), validation=summary,
-                             outcomes=outcomes, stage_seconds=stages, lengths=lengths, model=params.model.path,
+                             outcomes=outcomes, stage_seconds=stage_seconds, lengths=lengths, model=params.model.path,
                              manifest_sha256=manifest_sha256)
     create_markdown_artifact(report, key="extraction-summary", description="samples, speed, cache hits, lengths")
     return {"dataset": params.output.dir, "model": params.model.path, "manifest_sha256": manifest_sha256,
@@ -107,7 +107,7 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
             "cache_hits": sum(not o.computed for o in outcomes), "computed": sum(o.computed for o in outcomes),
             "repaired": sum(o.repaired for o in outcomes), "computed_tokens": sum(o.num_tokens for o in outcomes
                                                                                   if o.computed),
-            "stage_seconds": stages, "workers": sorted({o.worker for o in outcomes if o.computed and o.worker})}
+            "stage_seconds": stage_seconds, "workers": sorted({o.worker for o in outcomes if o.computed and o.worker})}
 
 
 def compute_shards(session: Session, where: Placement, progress) -> list[ShardOutcome]:
@@ -147,7 +147,7 @@ def run_shards(session: Session, results_dir: str, progress) -> list[ShardOutcom
         # run the task (not its cached result) when the file is missing or this run has just written it
         refresh = not session.intact(name) or name in session.stream.computed or session.stream.pending(name)
         task = extract_shard_task.with_options(refresh_cache=refresh, result_storage=storage)
-        state = task(session.key, name, session.cache_key(name), return_state=True)
+        state = task(session.handle, name, session.shard_key(name), return_state=True)
         outcome = state.result()
         # a cache hit returns the stored outcome of the run that computed it
         outcomes.append(replace(outcome, computed=False) if state.name == "Cached" else outcome)
@@ -177,12 +177,12 @@ def report_stopped(signum: int) -> None:
 
 
 @contextmanager
-def timed(stages: dict, name: str):
+def timed(stage_seconds: dict, name: str):
     started = time.time()
     try:
         yield
     finally:
-        stages[name] = time.time() - started
+        stage_seconds[name] = time.time() - started
 
 
 def forward_library_logs() -> None:

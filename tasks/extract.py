@@ -12,14 +12,15 @@ from eagle_states.extraction.stream import ShardOutcome
 
 
 def _cache_key(context, parameters) -> str:
-    return parameters["shard_key"]  # content + model + byte-deciding settings + capture code: Extraction.cache_key
+    return parameters["shard_key"]  # content + model + byte-deciding settings + capture format: CaptureConfig.shard_key
 
 
 @task(name="extract-shard", cache_key_fn=_cache_key, persist_result=True, result_serializer=JsonRecordSerializer(),
       retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=transient_only, task_run_name="extract-{shard_name}",
       tags=["eagle-states", "extract"])
-def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> ShardOutcome:
-    session = get_session(session_key)
+def extract_shard_task(session: str, shard_name: str, shard_key: str) -> ShardOutcome:
+    """`session`: the flow run's `Session` handle."""
+    session = get_session(session)
     try:
         return session.stream.ensure(shard_name)
     except Exception as exc:
@@ -29,5 +30,5 @@ def extract_shard_task(session_key: str, shard_name: str, shard_key: str) -> Sha
 
 @task(name="finalize-dataset", task_run_name="finalize-dataset", tags=["eagle-states", "extract"], retries=2,
       retry_delay_seconds=[2, 10], retry_condition_fn=transient_only)
-def finalize_dataset_task(session_key: str) -> stages.ExtractOutcome:
-    return stages.finalize(get_session(session_key).extraction)
+def finalize_dataset_task(session: str) -> stages.ExtractOutcome:
+    return stages.finalize(get_session(session).extraction)

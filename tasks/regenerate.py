@@ -9,16 +9,17 @@ from eagle_states import stages
 from eagle_states.config import PipelineParams
 from eagle_states.coordination.dispatch import regenerate_on_workers
 from eagle_states.coordination.retry import transient_only
-from eagle_states.coordination.session import get_engines
+from eagle_states.coordination.session import get_flow_engine
 
 
 @task(name="regenerate", task_run_name="regenerate", tags=["eagle-states", "regenerate"], retries=1,
       retry_delay_seconds=5, retry_condition_fn=transient_only)
-def regenerate_task(params: PipelineParams, engines_key: str, on_workers: bool) -> stages.RegenerateOutcome:
-    """`on_workers`: the run's placement says engine workers regenerate (`coordination.placement`)."""
+def regenerate_task(params: PipelineParams, flow_engine: str, on_workers: bool) -> stages.RegenerateOutcome:
+    """`flow_engine`: the flow run's `FlowEngine` handle; `on_workers`: the run's placement says engine workers
+    regenerate (`coordination.placement`)."""
     if on_workers:
         return regenerate_on_workers(params)
-    engines = get_engines(engines_key).holder
+    engines = get_flow_engine(flow_engine).holder
     progress = create_progress_artifact(0.0, key="regeneration-progress", description="conversations regenerated")
     shown = [0.0]
 

@@ -64,7 +64,7 @@ def dispatch(extraction: Extraction, params: PipelineParams, on_done=None) -> li
     extraction.begin()
 
     def submit(name: str):
-        return task.delay(request, name, extraction.cache_key(todo[name]))  # a PrefectDistributedFuture
+        return task.delay(request, name, extraction.shard_key(todo[name]))  # a PrefectDistributedFuture
 
     # submitted from a few threads, so that the round trips of one submission (the server, the parameters' file)
     # overlap the next ones; each in a copy of this thread's context, so that its task run belongs to the flow run

@@ -64,7 +64,7 @@ class EngineWorker:
             raise ValueError(f"shard {shard_name} was planned for another model or other settings than this "
                              f"engine serves ({self.config.params.model.path})")
         shard = extraction.planned(shard_name)
-        if extraction.cache_key(shard) != shard_key:
+        if extraction.shard_key(shard) != shard_key:
             raise ValueError(f"shard {shard_name}: this worker plans it differently than the coordinator did "
                              "(the input changed after the run was planned?)")
         receipt, computed = extraction.receipt(shard), False

@@ -1,10 +1,10 @@
-"""What a flow run keeps in memory between its tasks: the one engine holder (`FlowEngines`: regeneration and the
-shards share it) and the extraction plan with its shard stream (`Session`). Tasks receive their keys, strings, so
-that nothing large passes through Prefect.
+"""What a flow run keeps in memory between its tasks: its one engine (`FlowEngine`: regeneration and the shards
+share its holder) and the extraction plan with its shard stream (`Session`). Tasks receive their handles, strings,
+so that nothing large passes through Prefect.
 
 The engine is created by the first task that needs it, with the factory the flow was given, held under the
 `gpu-engine` global concurrency limit when the server has one (one run per GPU at a time), and closed when the
-flow run leaves `flow_engines`.
+flow run leaves `open_flow_engine`.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ GPU_CONCURRENCY_LIMIT = "gpu-engine"
 GPU_SLOT_LEASE_S = 60.0
 WAIT_NOTICE_S = 2.0  # a slot not had within this is waited for with a log line that says why
 log = logging.getLogger("eagle_states.session")
-_SESSIONS: dict[str, "Session"] = {}  # the flow run's sessions, by key: how its in-process tasks find them
-_ENGINES: dict[str, "FlowEngines"] = {}  # likewise its engine holders
+# a handle is not a cache key: it only names an object of this process for the flow run's in-process tasks
+_SESSIONS: dict[str, "Session"] = {}  # the flow run's sessions, by handle
+_FLOW_ENGINES: dict[str, "FlowEngine"] = {}  # likewise its engine
 
 
 @dataclass
-class FlowEngines:
-    """A flow run's one engine holder, the GPU slot it holds once the engine is created, and the waits for it."""
-    key: str
+class FlowEngine:
+    """A flow run's one engine: its holder, the GPU slot it holds once the engine is created, and the waits for it."""
+    handle: str
     holder: RestartingEngines
     guard: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     slot_wait_s: list[float] = field(default_factory=list)  # waits for the `gpu-engine` slot, where it exists
@@ -42,17 +43,17 @@ class FlowEngines:
 
 @dataclass
 class Session:
-    key: str
+    handle: str
     extraction: Extraction
-    engines: RestartingEngines
+    engines: RestartingEngines  # the flow engine's holder
     stream: ShardStream
 
     @property
     def shard_names(self) -> list[str]:
         return [s.name for s in self.extraction.shards]
 
-    def cache_key(self, shard_name: str) -> str:
-        return self.extraction.cache_key(self.extraction.planned(shard_name))
+    def shard_key(self, shard_name: str) -> str:
+        return self.extraction.shard_key(self.extraction.planned(shard_name))
 
     def intact(self, shard_name: str) -> bool:
         return self.extraction.receipt(self.extraction.planned(shard_name)) is not None
@@ -109,40 +110,40 @@ def _guarded(factory: Callable[[EngineSettings], CaptureEngine], guard: contextl
 
 
 @contextlib.contextmanager
-def flow_engines(engine_factory: Callable[[EngineSettings], CaptureEngine],
+def open_flow_engine(engine_factory: Callable[[EngineSettings], CaptureEngine],
                  on_engine: Callable[[str], None] = lambda state: None):
-    """The flow run's engine holder, for every task that needs the model (no model is loaded until one does);
+    """The flow run's engine, for every task that needs the model (no model is loaded until one does);
     `on_engine(state)` hears when the model starts loading and when it is loaded (the UI's progress)."""
     guard, waits = contextlib.ExitStack(), []
-    engines = FlowEngines(uuid.uuid4().hex, RestartingEngines(_guarded(engine_factory, guard, waits, on_engine)),
-                          guard, waits)
-    _ENGINES[engines.key] = engines
+    flow_engine = FlowEngine(uuid.uuid4().hex, RestartingEngines(_guarded(engine_factory, guard, waits, on_engine)),
+                             guard, waits)
+    _FLOW_ENGINES[flow_engine.handle] = flow_engine
     try:
-        yield engines
+        yield flow_engine
     finally:
-        _ENGINES.pop(engines.key, None)
+        _FLOW_ENGINES.pop(flow_engine.handle, None)
         try:
-            engines.holder.close()
+            flow_engine.holder.close()
         finally:
             guard.close()
 
 
 @contextlib.contextmanager
-def extraction_session(params: PipelineParams, engines: FlowEngines):
-    """The extraction's plan and shard stream, on the flow run's engine holder."""
+def extraction_session(params: PipelineParams, flow_engine: FlowEngine):
+    """The extraction's plan and shard stream, on the flow run's engine."""
     extraction = stages.open_extraction(params)
-    session = Session(uuid.uuid4().hex, extraction, engines.holder, ShardStream(extraction, engines.holder))
-    _SESSIONS[session.key] = session
+    session = Session(uuid.uuid4().hex, extraction, flow_engine.holder, ShardStream(extraction, flow_engine.holder))
+    _SESSIONS[session.handle] = session
     try:
         yield session
     finally:
-        _SESSIONS.pop(session.key, None)
+        _SESSIONS.pop(session.handle, None)
         session.stream.close()
 
 
-def get_session(key: str) -> Session:
-    return _SESSIONS[key]
+def get_session(handle: str) -> Session:
+    return _SESSIONS[handle]
 
 
-def get_engines(key: str) -> FlowEngines:
-    return _ENGINES[key]
+def get_flow_engine(handle: str) -> FlowEngine:
+    return _FLOW_ENGINES[handle]

@@ -1,7 +1,8 @@
 """Extraction driver: read prompts, plan shards, skip finished ones, capture the rest, write index and manifest.
 
-A shard is finished when its receipt names the same cache key (content and settings) and its file still has the
-recorded sha256; only unfinished shards reach the engine, and the engine is created only if there are any.
+A shard is finished when its receipt names the same config hash and content hash (what its shard key is made of)
+and its file still has the recorded sha256; only unfinished shards reach the engine, and the engine is created only
+if there are any.
 """
 
 from __future__ import annotations
@@ -146,8 +147,13 @@ def resolved_dtype(model_dir: Path, dtype: str) -> str:
 
 class CaptureConfig:
     """What an engine captures, resolved against the model: its identity, the layers, the dtype, the settings of
-    config.SHARD_BYTES_SETTINGS as they take effect, and their hash (`config_hash`), which keys every shard. An
-    engine worker serves one `serving_key`: shards of another model or other settings never reach it."""
+    config.SHARD_BYTES_SETTINGS as they take effect, and their hash.
+
+    Three keys, three meanings: `config_hash` decides the bytes of every shard of the extraction (the receipts'
+    and the manifest's `config_hash`); `shard_key(shard)`, the shard cache key, is one shard's (its content and
+    the config hash, both in its receipt; the Prefect shard cache and the shard tasks carry it); `serving_key` is what an engine can serve
+    (the config hash and the room for the longest prompt): an engine worker serves one, and shards of another
+    model or other settings never reach it (`coordination.worker_tasks.task_key` is its Prefect queue)."""
 
     def __init__(self, params: PipelineParams):
         self.params = params
@@ -178,9 +184,9 @@ class CaptureConfig:
                           "settings": self.byte_settings, "format_version": layout.FORMAT_VERSION, **capture,
                           "codec": self.codec.record()})
 
-    def cache_key(self, shard: "PlannedShard") -> str:
-        """What decides a shard's bytes: its samples' content and the extraction's config hash (model identity,
-        the byte-deciding settings, formats). No run id, no path."""
+    def shard_key(self, shard: "PlannedShard") -> str:
+        """The shard cache key, what decides a shard's bytes: its samples' content and the extraction's config
+        hash (model identity, the byte-deciding settings, formats). No run id, no path."""
         return hash_json({"shard": shard.name, "content": shard.content_hash, "config": self.config_hash})
 
     def job(self, shard: PlannedShard) -> ShardJob:

@@ -138,7 +138,7 @@ def test_a_planted_pickle_record_is_refused_not_run(first_run, tmp_path):
 
     tmp, params, _, _ = first_run
     extraction = Extraction(params)
-    record_path = tmp / "results" / extraction.cache_key(extraction.shards[1])
+    record_path = tmp / "results" / extraction.shard_key(extraction.shards[1])
     record = json.loads(record_path.read_text())
     assert record["metadata"]["serializer"]["type"] == "eagle-states-json"
     marker = tmp_path / "ran"
