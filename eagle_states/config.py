@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from eagle_states.dataset.codec import NAMES as CODEC_NAMES
+from eagle_states.dataset.codec import NAMES as CODEC_NAMES, STEP_CODECS
 
 DEFAULT_PARAMS_FILE = Path("params.yaml")
 
@@ -92,8 +92,11 @@ class ExtractParams(_Section):
     gpu_ids: Optional[list[int]] = Field(None, description="GPUs to use, tensor_parallel_size per engine")
     write_threads: int = Field(4, ge=1, description="shard writer threads (4 kept the H200 disk busiest)")
     codec: Literal[CODEC_NAMES] = Field(
-        "none", description="lossless compression of the hidden states in the shard files: Blosc2's byte shuffle, "
-                            "then zstd or lz4 (bench/RESULTS.md has the ratios and speeds)")
+        "none", description="how the hidden states are stored: none; blosc2-zstd, blosc2-lz4 (lossless, on the "
+                            "host: byte shuffle, then zstd or lz4); nvcomp-ans (lossless, on the GPU before the copy; "
+                            "decodes on a GPU only); fp8-e4m3 (LOSSY, opt-in: a byte per value and a float32 scale "
+                            "per token, read back in extract.dtype; its error is measured and validated per layer). "
+                            "bench/RESULTS.md has the ratios and speeds")
     codec_level: int = Field(1, ge=1, le=9, description="the entropy coder's level (1: fastest)")
     codec_threads: int = Field(1, ge=1, description="Blosc2 threads per shard writer (at most write_threads x "
                                                     "codec_threads cores compress)")
@@ -162,6 +165,9 @@ class PipelineParams(_Section):
         if self.regenerate.capture and not self.regenerate.enabled:
             raise ValueError("regenerate.capture needs regenerate.enabled: it captures the states while the "
                              "responses are regenerated")
+        if self.regenerate.capture and e.codec in STEP_CODECS:
+            raise ValueError(f"extract.codec {e.codec} and regenerate.capture: the states of generated tokens are "
+                             "not encoded on the device; use none or a blosc2 codec with regenerate.capture")
         if self.prepare.max_length > e.max_model_len - 1:
             raise ValueError(f"prepare.max_length ({self.prepare.max_length}) must be below extract.max_model_len "
                              f"({e.max_model_len}): the engine takes at most max_model_len - 1 prompt tokens")

@@ -26,6 +26,7 @@ from eagle_states.dataset.layout import LAYER_SEMANTICS
 from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
 from eagle_states.dataset.prepared import SAMPLES_FILE, prepared_input_hash, read_sample_ids
 from eagle_states.dataset.shard_file import CODE_OF_NAME, ShardReader
+from eagle_states.dataset.step_codecs import require_cuda_decoder
 
 log = logging.getLogger(__name__)
 FAILURES_SUFFIX = "_failures.csv"
@@ -101,7 +102,8 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
                          "layer_id": layer_id,
                          "ndim": len(shape), "tokens": shape[0] if shape else -1,
                          "hidden": shape[1] if len(shape) > 1 else -1, "dtype": info["dtype"],
-                         "decodes": True, "nan": 0, "inf": 0}
+                         "decodes": True, "nan": 0, "inf": 0, "sq_err": info.get("sq_err", 0.0),
+                         "sq_sum": info.get("sq_sum", 0.0)}
                 if content:
                     try:
                         t = f.get_tensor(key)
@@ -132,7 +134,7 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
     presence["occurrences"] = presence["sample_id"].map(counts).fillna(0).astype(int)
     presence["expected"] = presence["sample_id"].isin(set(expected_ids))
     states = pd.DataFrame(layer_rows, columns=["sample_id", "shard", "slot", "layer_id", "ndim", "tokens", "hidden",
-                                               "dtype", "decodes", "nan", "inf"])
+                                               "dtype", "decodes", "nan", "inf", "sq_err", "sq_sum"])
     states = states.merge(samples[["sample_id", "shard", "input_ids_len"]], on=["sample_id", "shard"], how="left")
     return Tables(pd.DataFrame(shard_rows), samples, presence, states,
                   pd.DataFrame(stray_keys, columns=["shard", "key", "shape"]), bytes_read)
@@ -227,6 +229,22 @@ def manifest_failures(manifest: dict, index: pd.DataFrame) -> list[dict]:
     return out
 
 
+def lossy_failures(manifest: dict, layers: pd.DataFrame) -> tuple[dict[int, float], list[dict]]:
+    """A lossy codec's relative error per layer id (sqrt of the squared rounding error over the squared norm,
+    summed over the dataset, as the capture measured them on the true states), and a failure for each layer past
+    the codec's bound. ({}, []) for a lossless dataset."""
+    codec = codec_record(manifest)
+    if not codec.get("lossy"):
+        return {}, []
+    sums = layers.groupby("layer_id")[["sq_err", "sq_sum"]].sum()
+    errors = {int(k): float((row.sq_err / row.sq_sum) ** 0.5) if row.sq_sum > 0 else 0.0
+              for k, row in sums.iterrows()}
+    bound = codec["max_relative_error"]
+    return errors, [_failure("layers", f"{codec['name']} relative error <= {bound}", round(err, 5),
+                             slot=list(manifest["layer_ids"]).index(k), layer_id=k)
+                    for k, err in errors.items() if err > bound]
+
+
 def _failure_rows(name: str, table: pd.DataFrame, error: pa.errors.SchemaErrors) -> list[dict]:
     """One failure row per failed check and table row; a row-wise check over several columns counts once."""
     rows, seen = [], set()
@@ -277,6 +295,8 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         manifest = read_manifest(dataset_dir)
     except BadManifest as exc:  # not one this project writes (a shard path leaving the dataset included)
         return _refused_manifest(dataset_dir, exc, report)
+    if codec_record(manifest)["name"] == "nvcomp-ans":
+        require_cuda_decoder(dataset_dir)
     key = _record_key(dataset_dir, manifest, prepared_dir, min_loss_tokens)
     record = read_record(dataset_dir)
     if reuse and record and record.get("key") == key and record["summary"].get("valid"):
@@ -300,6 +320,8 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
             schema.validate(table, lazy=True)
         except pa.errors.SchemaErrors as exc:
             failures += _failure_rows(name, table, exc)
+    relative_errors, lossy = lossy_failures(manifest, tables.layers)
+    failures += lossy
     if index["sample_id"].duplicated().any():
         for sid in index.loc[index["sample_id"].duplicated(), "sample_id"]:
             failures.append(_failure("index", "unique in index", "duplicate", sid))
@@ -310,6 +332,7 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         "tokens": int(tables.layers.drop_duplicates("sample_id")["tokens"].clip(lower=0).sum()),
         "bytes": int(tables.bytes_read), "layers": manifest["layer_ids"], "dtype": manifest["dtype"],
         "codec": codec_record(manifest)["name"],
+        **({"relative_error_per_layer": relative_errors} if relative_errors else {}),
         "shards": len(manifest["shards"]), "failures": len(failures_frame), "seconds": round(elapsed, 3),
         "gb_per_s": round(tables.bytes_read / 1e9 / elapsed, 3) if elapsed > 0 else None,
         "dataset_manifest_sha256": key["manifest_sha256"], "reused": False}
@@ -357,7 +380,8 @@ def validator_version() -> str:
     """The code that decides a verdict: this module and the contract it checks."""
     package = Path(layout.__file__).resolve().parent.parent
     return hash_files([package / "validate.py", package / "dataset" / "layout.py", package / "dataset" / "codec.py",
-                       package / "dataset" / "shard_file.py", package / "dataset" / "manifest.py"], root=package)[:16]
+                       package / "dataset" / "shard_file.py", package / "dataset" / "manifest.py",
+                       package / "dataset" / "step_codecs.py"], root=package)[:16]
 
 
 def _record_key(dataset_dir: Path, manifest: dict, prepared_dir: Path | None, min_loss_tokens: int) -> dict:

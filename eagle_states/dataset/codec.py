@@ -1,7 +1,9 @@
-"""The lossless codec of the hidden states, part of the data contract: how a compressed tensor is stored inside a
-shard's safetensors file, and how it is read back bit-exact.
+"""The codecs of the hidden states, part of the data contract: how an encoded tensor is stored inside a shard's
+safetensors file, and how it is read back.
 
-A compressed tensor is a `U8` safetensors entry holding one Blosc2 frame (`SChunk.to_cframe()`: chunks of
+Blosc2 (`blosc2-zstd`, `blosc2-lz4`) compresses on the host, in the shard writers; the step codecs (`fp8-e4m3`,
+lossy and opt-in; `nvcomp-ans`, lossless, CUDA) encode on the device before the copy (`step_codecs.py`). All are
+stored the same way: a Blosc2 tensor is a `U8` safetensors entry holding one Blosc2 frame (`SChunk.to_cframe()`: chunks of
 `CHUNK_BYTES`, each split into its byte planes by Blosc2's shuffle filter, then entropy-coded by zstd or lz4).
 Its logical dtype and shape, and a CRC-32 of the stored bytes, are in the file's `__metadata__` (`ENCODED_KEY`), so
 a validator sees every tensor's logical layout from the header alone, and a reader catches a damaged block (Blosc2
@@ -23,7 +25,11 @@ if TYPE_CHECKING:  # torch and numpy load when a tensor is encoded or decoded, n
 CODEC_KEY = "eagle_states.codec"  # __metadata__: the codec's record (JSON)
 ENCODED_KEY = "eagle_states.encoded"  # __metadata__: key -> {dtype, shape, crc32} of each compressed tensor (JSON)
 CHUNK_BYTES = 8 << 20  # Blosc2 chunk: large enough for its blocks to find the byte planes' statistics
-NAMES = ("none", "blosc2-zstd", "blosc2-lz4")  # what `extract.codec` accepts
+NAMES = ("none", "blosc2-zstd", "blosc2-lz4", "fp8-e4m3", "nvcomp-ans")  # what `extract.codec` accepts
+STEP_CODECS = ("fp8-e4m3", "nvcomp-ans")  # encoded per engine step on the device (step_codecs.py)
+# the fp8 codec's bound on a layer's relative error (sqrt of the summed squared error over the summed squared
+# norm): e4m3 keeps 3 mantissa bits, about 2.7 % on captured states; past this bound a layer is invalid
+FP8_MAX_RELATIVE_ERROR = 0.05
 
 
 def _blosc2():
@@ -57,11 +63,28 @@ class Codec:
     def enabled(self) -> bool:
         return self.name != "none"
 
+    @property
+    def on_device(self) -> bool:
+        """Encoded per engine step where the states are computed, before the copy to the host."""
+        return self.name in STEP_CODECS
+
+    @property
+    def lossy(self) -> bool:
+        return self.name == "fp8-e4m3"
+
     def record(self) -> dict:
         """What the manifest and each shard's header say of the codec: enough to read the data and to know which
         library version made it."""
         if not self.enabled:
             return {"name": "none"}
+        if self.name == "fp8-e4m3":
+            return {"name": self.name, "lossy": True, "scale": "per token and layer: amax / 448, float32",
+                    "stored": "scales float32 [T], then e4m3 codes [T, H]",
+                    "max_relative_error": FP8_MAX_RELATIVE_ERROR}
+        if self.name == "nvcomp-ans":
+            from eagle_states.dataset.step_codecs import nvcomp_version
+
+            return {"name": self.name, "algorithm": "ANS", "decodes_on": "cuda", "nvcomp": nvcomp_version()}
         import blosc2
 
         return {"name": self.name, "level": self.level, "filter": "shuffle", "chunk_bytes": CHUNK_BYTES,
@@ -70,6 +93,12 @@ class Codec:
     def encodes(self, dtype: torch.dtype) -> bool:
         """Whether a tensor of this dtype is stored compressed (the floating-point states)."""
         return self.enabled and dtype.is_floating_point
+
+    def frame(self, pieces: list) -> tuple[bytes, dict]:
+        """A step codec's pieces of one tensor (`step_codecs`), as stored, with what its entry records."""
+        from eagle_states.dataset import step_codecs
+
+        return (step_codecs.frame_fp8 if self.name == "fp8-e4m3" else step_codecs.frame_nvcomp)(pieces)
 
     def encode(self, pieces: list[torch.Tensor]) -> bytes:
         """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
@@ -84,9 +113,10 @@ class Codec:
         return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
 
 
-def encoded_entry(dtype_code: str, shape: list[int], stored: bytes) -> dict:
-    """The header metadata of one compressed tensor: its logical dtype and shape, and the stored bytes' CRC-32."""
-    return {"dtype": dtype_code, "shape": list(shape), "crc32": zlib.crc32(stored)}
+def encoded_entry(dtype_code: str, shape: list[int], stored: bytes, extra: dict | None = None) -> dict:
+    """The header metadata of one compressed tensor: its logical dtype and shape, the stored bytes' CRC-32, and
+    what its codec records of it (fp8: the squared error and norm)."""
+    return {"dtype": dtype_code, "shape": list(shape), "crc32": zlib.crc32(stored), **(extra or {})}
 
 
 def header_metadata(codec: Codec, encoded: dict[str, dict]) -> dict[str, str]:
@@ -106,14 +136,22 @@ def read_header_metadata(metadata: dict | None) -> tuple[dict, dict[str, dict]]:
     return codec, encoded
 
 
-def decode(stored: np.ndarray, entry: dict, dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
-    """The tensor a compressed entry holds, bit-exact, after checking the stored bytes' CRC-32 and the decoded
-    size. `stored`: the entry's bytes as a uint8 array."""
-    blosc2 = _blosc2()
-
+def decode(stored: np.ndarray, entry: dict, dtype: torch.dtype, threads: int = 1, codec: str = "blosc2-zstd"
+           ) -> torch.Tensor:
+    """The tensor a compressed entry holds (bit-exact but for fp8), after checking the stored bytes' CRC-32 and
+    the decoded size. `stored`: the entry's bytes as a uint8 array; `codec`: the shard's codec name."""
     key_shape = entry["shape"]
     if zlib.crc32(stored) != entry["crc32"]:
         raise CorruptTensorError(f"stored bytes fail their CRC-32 check ({len(stored):,} bytes)")
+    if codec in STEP_CODECS:
+        from eagle_states.dataset import step_codecs
+
+        try:
+            return (step_codecs.decode_fp8 if codec == "fp8-e4m3" else step_codecs.decode_nvcomp)(
+                stored, key_shape, dtype)
+        except ValueError as exc:
+            raise CorruptTensorError(f"does not decode: {exc}") from None
+    blosc2 = _blosc2()
     import torch
 
     out = torch.empty(key_shape, dtype=dtype)

@@ -12,8 +12,9 @@ import torch
 from eagle_states.dataset.layout import (INDEX_FILE, LayerSelection, key_hidden_state, key_input_ids, key_loss_mask,
                                          shard_path)
 from eagle_states.dataset.files import check_regular, sha256_file
-from eagle_states.dataset.manifest import BadManifest, layer_selection, read_manifest
+from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
 from eagle_states.dataset.shard_file import ShardReader
+from eagle_states.dataset.step_codecs import require_cuda_decoder
 
 
 class ChangedShard(ValueError):
@@ -37,6 +38,8 @@ class Dataset:
 
         self.dir, self.threads = Path(dataset_dir), threads
         self.manifest = read_manifest(self.dir)
+        if codec_record(self.manifest)["name"] == "nvcomp-ans":
+            require_cuda_decoder(self.dir)
         self.layers: LayerSelection = layer_selection(self.manifest)
         self.index = pd.read_parquet(check_regular(self.dir / INDEX_FILE))
         self._entries = {s["name"]: s for s in self.manifest["shards"]}

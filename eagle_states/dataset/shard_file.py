@@ -69,6 +69,7 @@ class ShardFileWriter:
         # with a codec, the stored sizes are known only once compressed: the tensors are kept (compressed) until
         # the last one, then the header and they are written
         self._stored: dict[str, bytes | list] = {}
+        self._extra: dict[str, dict] = {}  # what a step codec records of a tensor (fp8: its squared error)
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
 
     def _header(self, stored: dict[str, bytes | None]) -> bytes:
@@ -79,7 +80,7 @@ class ShardFileWriter:
             dtype, shape = self.specs[name]
             blob = stored[name]
             if isinstance(blob, bytes):
-                encoded[name] = encoded_entry(DTYPES[dtype][0], shape, blob)
+                encoded[name] = encoded_entry(DTYPES[dtype][0], shape, blob, self._extra.get(name))
                 entry, size = {"dtype": "U8", "shape": [len(blob)]}, len(blob)
             else:
                 entry, size = {"dtype": DTYPES[dtype][0], "shape": list(shape)}, self.nbytes[name]
@@ -105,10 +106,20 @@ class ShardFileWriter:
         self._digest.update(data)
 
     def write(self, name: str, pieces: list[torch.Tensor]) -> None:
-        """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written."""
+        """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written.
+        With a step codec, a hidden state's pieces are the ones it encoded on the device (`step_codecs`)."""
         expected = self.order[self._next] if self._next < len(self.order) else None
         if name != expected:
             raise ValueError(f"{self.path.name}: tensor {name} written where {expected} comes next")
+        if self.codec.on_device and self.codec.encodes(self.dtypes[name]):
+            rows = sum(p.rows for p in pieces)
+            if rows != self.specs[name][1][0]:
+                raise ValueError(f"{self.path.name}: {name} got {rows} encoded rows, the header says "
+                                 f"{self.specs[name][1][0]}")
+            self._stored[name], self._extra[name] = self.codec.frame(pieces)
+            self.encoded_bytes += self.nbytes[name]
+            self._next += 1
+            return
         data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
         if any(p.dtype != self.dtypes[name] for p in pieces) or sum(d.nbytes for d in data) != self.nbytes[name]:
             raise ValueError(f"{self.path.name}: {name} got {sum(d.nbytes for d in data)} bytes of "
@@ -150,7 +161,7 @@ class ShardFileWriter:
         if exc_type is not None:
             for write in self._writes:
                 write.cancel()
-        self._stored = {}
+        self._stored, self._extra = {}, {}
         # the helper thread ends first, then the temp file is committed (fsync, rename) or removed
         self._stack.__exit__(exc_type, exc, tb)
         if failure is not None:
@@ -215,10 +226,12 @@ class ShardReader:
         return list(self._header)
 
     def info(self, key: str) -> dict:
-        """{"dtype": safetensors code, "shape": [...], "compressed": bool}: the tensor as captured."""
+        """{"dtype": safetensors code, "shape": [...], "compressed": bool}: the tensor as captured; a lossy codec's
+        tensor also has its "sq_err" and "sq_sum" (the rounding error and the states' norm, squared, summed)."""
         entry = self._encoded.get(key)
         if entry is not None:
-            return {"dtype": entry["dtype"], "shape": entry["shape"], "compressed": True}
+            extra = {k: entry[k] for k in ("sq_err", "sq_sum") if k in entry}
+            return {"dtype": entry["dtype"], "shape": entry["shape"], "compressed": True, **extra}
         return {"dtype": self._header[key]["dtype"], "shape": self._header[key]["shape"], "compressed": False}
 
     def get_tensor(self, key: str) -> torch.Tensor:
@@ -226,6 +239,7 @@ class ShardReader:
         if entry is None:
             return self._file.get_tensor(key)
         try:
-            return decode(self._file.get_tensor(key).numpy(), entry, DTYPE_OF_CODE[entry["dtype"]], self.threads)
+            return decode(self._file.get_tensor(key).numpy(), entry, DTYPE_OF_CODE[entry["dtype"]], self.threads,
+                          self.codec.get("name"))
         except CorruptTensorError as exc:
             raise CorruptTensorError(f"{self.path}: {key}: {exc}") from None

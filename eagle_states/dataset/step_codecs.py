@@ -1,0 +1,238 @@
+"""Codecs applied to a whole engine step on the device that computed it, before the device-to-host copy (fewer bytes
+over PCIe, through the pinned buffers and to the disk), and how their tensors are framed in a shard and read back.
+
+A step's states arrive stacked, [L, R, H] (layer slot, row, width). Rows belong to samples in spans the capture
+knows on the host before the step runs; a sample's tensor in the shard is the concatenation of its spans' pieces,
+so a step codec must encode row spans independently:
+
+* `fp8-e4m3` (lossy, opt-in): each row (one token's state at one layer) scaled by amax / 448 into float8 e4m3,
+  the scale kept in float32; with the rounding error of each row (squared, summed) and the row's squared norm, so
+  that how lossy it was is measured on the true states and recorded per tensor (validation sums it per layer).
+  Stored: scales float32 [T], then e4m3 [T, H]. Read back in the dataset's dtype (bf16 on a GPU).
+* `nvcomp-ans` (lossless, CUDA only): nvCOMP's ANS on each (layer, span), typed as the states' float type
+  (`<f2` for bf16/fp16, `<f4` for fp32: ANS codes the exponent bytes' skew). Stored: a count, the size of each
+  nvCOMP buffer (native bitstream: its own header holds the decoded size) and the buffers. nvCOMP decodes on a
+  CUDA device only: a machine without one reads the exports made from such a dataset, not the dataset.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
+FP8_AUX = 3  # per row: scale, squared rounding error, squared norm (float32)
+NVCOMP_TYPES = {torch.bfloat16: "<f2", torch.float16: "<f2", torch.float32: "<f4"}
+
+
+class CodecUnavailable(RuntimeError):
+    """A codec this machine cannot run (nvCOMP without a CUDA device or without the package)."""
+
+
+def nvcomp_module():
+    try:
+        from nvidia import nvcomp
+    except ImportError:
+        raise CodecUnavailable("the nvcomp-ans codec needs nvCOMP's Python package: pip install "
+                               "nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13 (or eagle-states[gpu-codec])") from None
+    return nvcomp
+
+
+def require_cuda_decoder(what) -> None:
+    """A dataset stored with nvcomp-ans is read where it can be decoded, or refused at once, saying so."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CodecUnavailable(f"{what} is stored with nvcomp-ans, which decodes on a CUDA device only: read it on "
+                               "a GPU machine, or the exports made from it (eagle-states export) anywhere")
+    nvcomp_module()
+
+
+def nvcomp_version() -> str:
+    return nvcomp_module().__version__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pieces: a span of rows of one layer slot, after the copy (views of the host step)
+@dataclass(frozen=True)
+class Fp8Piece:
+    codes: torch.Tensor  # uint8 [r, H]: e4m3 bit patterns
+    aux: torch.Tensor  # float32 [r, FP8_AUX]
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+
+@dataclass(frozen=True)
+class NvcompPiece:
+    blob: torch.Tensor  # uint8: one nvCOMP native buffer
+    rows: int
+
+
+class Fp8Rows:
+    """One layer slot of an fp8 step on the host: sliced by rows like the plain states."""
+
+    def __init__(self, codes: torch.Tensor, aux: torch.Tensor):
+        self.codes, self.aux = codes, aux
+
+    def __getitem__(self, rows: slice) -> Fp8Piece:
+        return Fp8Piece(self.codes[rows], self.aux[rows])
+
+
+class NvcompRows:
+    """One layer slot of an nvCOMP step on the host: the spans it was encoded in, each one piece. Only those exact
+    spans can be taken (the capture encodes the spans it will assemble)."""
+
+    def __init__(self, pieces: dict[tuple[int, int], NvcompPiece]):
+        self.pieces = pieces
+
+    def __getitem__(self, rows: slice) -> NvcompPiece:
+        try:
+            return self.pieces[(rows.start, rows.stop)]
+        except KeyError:
+            raise ValueError(f"rows {rows.start}:{rows.stop} were not encoded as one span (spans: "
+                             f"{sorted(self.pieces)[:4]}...)") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the device: a step in, one flat uint8 tensor out (one copy to the host), and how to slice it back
+@dataclass(frozen=True)
+class EncodedStep:
+    data: torch.Tensor  # uint8, 1-D, on the step's device
+    layers: int
+    rows: int
+    width: int
+    spans: tuple[tuple[int, int], ...] = ()  # nvcomp-ans: the encoded row spans
+    sizes: tuple[int, ...] = ()  # nvcomp-ans: the bytes of each (layer, span) buffer, layer-major
+
+    def host_rows(self, host: torch.Tensor, codec_name: str) -> list:
+        """Per layer slot, the rows of this step in `host` (the copy of `data`), as the assembler slices them."""
+        if codec_name == "fp8-e4m3":
+            n = self.layers * self.rows * self.width
+            codes = host[:n].view(self.layers, self.rows, self.width)
+            aux = host[n:n + self.layers * self.rows * FP8_AUX * 4].view(torch.float32).view(
+                self.layers, self.rows, FP8_AUX)
+            return [Fp8Rows(codes[slot], aux[slot]) for slot in range(self.layers)]
+        out, offset, sizes = [], 0, iter(self.sizes)
+        for _ in range(self.layers):
+            pieces = {}
+            for start, stop in self.spans:
+                size = next(sizes)
+                pieces[(start, stop)] = NvcompPiece(host[offset:offset + size], stop - start)
+                offset += size
+            out.append(NvcompRows(pieces))
+        return out
+
+
+def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
+    """[L, R, H] states -> e4m3 codes and per-row (scale, squared error, squared norm), packed in one tensor.
+    Computed in float32 a layer at a time (the temporaries are one layer's)."""
+    layers, rows, width = stacked.shape
+    codes = torch.empty((layers, rows, width), dtype=torch.uint8, device=stacked.device)
+    aux = torch.empty((layers, rows, FP8_AUX), dtype=torch.float32, device=stacked.device)
+    for slot in range(layers):
+        x = stacked[slot].float()
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        q = (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        codes[slot] = q.view(torch.uint8)
+        aux[slot, :, 0] = scale.squeeze(-1)
+        aux[slot, :, 1] = (x - q.float() * scale).square_().sum(dim=-1)
+        aux[slot, :, 2] = x.square().sum(dim=-1)  # not in place: `x` is the step's own tensor when float32
+    return EncodedStep(torch.cat([codes.reshape(-1), aux.reshape(-1).view(torch.uint8)]), layers, rows, width)
+
+
+class NvcompStepEncoder:
+    """nvCOMP ANS on a step's (layer, span) buffers, in one batched call on `stream` (the capture's copy stream:
+    it runs behind the step's own kernels, beside the next forward pass). One per capture: an nvCOMP codec is not
+    shared between threads."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.nvcomp = nvcomp_module()
+        self.stream = stream
+        self.codecs = {}
+
+    def __call__(self, stacked: torch.Tensor, spans: list[tuple[int, int]]) -> EncodedStep:
+        from torch.utils.dlpack import from_dlpack
+
+        nvcomp = self.nvcomp
+        layers, rows, width = stacked.shape
+        data_type = NVCOMP_TYPES[stacked.dtype]
+        codec = self.codecs.get(data_type)
+        if codec is None:
+            codec = self.codecs[data_type] = nvcomp.Codec(algorithm="ANS", data_type=data_type,
+                                                          cuda_stream=self.stream.cuda_stream)
+        row_bytes = width * stacked.element_size()
+        flat = stacked.reshape(-1).view(torch.uint8)
+        offsets = [(slot * rows + start) * row_bytes for slot in range(layers) for start, _ in spans]
+        sizes = [(stop - start) * row_bytes for _ in range(layers) for start, stop in spans]
+        encoded = codec.encode(nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream))
+        stored = encoded.buffer_sizes  # waits for the encoder
+        parts = [from_dlpack(encoded[i].to_dlpack()).view(torch.uint8).reshape(-1)[:stored[i]]
+                 for i in range(len(stored))]
+        return EncodedStep(torch.cat(parts), layers, rows, width, tuple(spans), tuple(stored))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# In the shard: a tensor's pieces framed into its stored bytes, and read back
+def frame_fp8(pieces: list[Fp8Piece]) -> tuple[bytes, dict]:
+    """The stored bytes (scales, then codes) and the entry's error record (sums of squares, float64)."""
+    aux = torch.cat([p.aux for p in pieces]) if len(pieces) > 1 else pieces[0].aux
+    scales = aux[:, 0].contiguous().numpy().tobytes()
+    codes = b"".join(p.codes.contiguous().numpy().tobytes() for p in pieces)
+    totals = aux[:, 1:].double().sum(dim=0).tolist()
+    return scales + codes, {"sq_err": totals[0], "sq_sum": totals[1]}
+
+
+def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[bytes, dict]:
+    blobs = [p.blob.numpy().tobytes() for p in pieces]
+    head = struct.pack(f"<I{len(blobs)}Q", len(blobs), *(len(b) for b in blobs))
+    return head + b"".join(blobs), {}
+
+
+def decode_fp8(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    tokens, width = shape
+    if stored.nbytes != tokens * 4 + tokens * width:
+        raise ValueError(f"{stored.nbytes:,} bytes, an fp8 tensor of shape {shape} has {tokens * (4 + width):,}")
+    data = torch.from_numpy(stored)
+    scales = data[:tokens * 4].view(torch.float32)
+    codes = data[tokens * 4:].view(torch.float8_e4m3fn).view(tokens, width)
+    return (codes.float() * scales[:, None]).to(dtype)
+
+
+def nvcomp_buffers(stored: np.ndarray) -> list[np.ndarray]:
+    """The nvCOMP buffers of a stored tensor (its framing checked against its length)."""
+    if stored.nbytes < 4:
+        raise ValueError("shorter than its frame")
+    (count,) = struct.unpack_from("<I", stored)
+    head = 4 + 8 * count
+    if stored.nbytes < head:
+        raise ValueError(f"a frame of {count} buffers in {stored.nbytes:,} bytes")
+    sizes = struct.unpack_from(f"<{count}Q", stored, 4)
+    if head + sum(sizes) != stored.nbytes:
+        raise ValueError(f"buffers of {head + sum(sizes):,} bytes with their frame, {stored.nbytes:,} stored")
+    ends = np.cumsum([head, *sizes])
+    return [stored[ends[i]:ends[i + 1]] for i in range(count)]
+
+
+def decode_nvcomp(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Decoded on the CUDA device (nvCOMP's ANS has no host decoder)."""
+    from torch.utils.dlpack import from_dlpack
+
+    buffers = nvcomp_buffers(stored)
+    require_cuda_decoder("this tensor")
+    nvcomp = nvcomp_module()
+    codec = nvcomp.Codec(algorithm="ANS")
+    decoded = codec.decode(nvcomp.as_arrays([b for b in buffers]).cuda())
+    parts = [from_dlpack(decoded[i].to_dlpack()).view(torch.uint8).reshape(-1) for i in range(len(buffers))]
+    flat = torch.cat(parts).cpu()
+    out = torch.empty(shape, dtype=dtype)
+    if flat.numel() != out.numel() * out.element_size():
+        raise ValueError(f"decodes to {flat.numel():,} bytes, the shape {shape} needs "
+                         f"{out.numel() * out.element_size():,}")
+    out.view(-1).view(torch.uint8).copy_(flat)
+    return out

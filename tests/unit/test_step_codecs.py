@@ -1,0 +1,111 @@
+"""The step codecs without an engine: fp8 e4m3 with per-token scales (its error bound, its record, the shard it
+makes read back in the capture's dtype), and the nvCOMP frame's checks (the decoding itself needs a CUDA device:
+bench/gpu_check.py and the H200 runs in bench/RESULTS.md)."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from eagle_states.dataset.codec import FP8_MAX_RELATIVE_ERROR, Codec, CorruptTensorError
+from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_header, sample_tensor_specs
+from eagle_states.dataset.step_codecs import (CodecUnavailable, decode_nvcomp, fp8_encode_step, frame_nvcomp,
+                                              NvcompPiece, nvcomp_buffers)
+
+FP8 = Codec("fp8-e4m3")
+
+
+def captured_like(layers=3, rows=40, width=64, dtype=torch.float32):
+    """States shaped like a residual stream: a few large outlier channels over small values, growing by layer."""
+    torch.manual_seed(0)
+    x = torch.randn(layers, rows, width)
+    x[:, :, :2] *= 30
+    return (x * torch.arange(1, layers + 1).view(-1, 1, 1)).to(dtype)
+
+
+def write_fp8_shard(path, stacked, spans):
+    """One step holding two samples' rows (spans), written as the capture's writer does."""
+    step = fp8_encode_step(stacked)
+    rows = step.host_rows(step.data, FP8.name)
+    specs = {}
+    for i, (start, stop) in enumerate(spans):
+        specs.update(sample_tensor_specs(f"s{i}", stop - start, stacked.shape[0], stacked.shape[2], stacked.dtype))
+    with ShardFileWriter(path, specs, FP8) as out:
+        for name in out.order:
+            sid, field = name.split("/")[0], name.split("/", 1)[1]
+            start, stop = spans[int(sid[1:])]
+            if field == "input_ids":
+                out.write(name, [torch.arange(start, stop, dtype=torch.int32)])
+            elif field == "loss_mask":
+                out.write(name, [torch.ones(stop - start, dtype=torch.uint8)])
+            else:
+                slot = int(field.rsplit("/", 1)[1])
+                # a sample in two pieces, as chunked prefill gives it
+                middle = (start + stop) // 2
+                out.write(name, [rows[slot][start:middle], rows[slot][middle:stop]])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_reads_back_in_the_capture_dtype_within_its_bound_and_records_its_error(tmp_path, dtype):
+    stacked = captured_like(dtype=dtype)
+    spans = [(0, 25), (25, 40)]
+    write_fp8_shard(tmp_path / "shard.safetensors", stacked, spans)
+    with ShardReader(tmp_path / "shard.safetensors") as shard:
+        assert shard.codec["name"] == "fp8-e4m3" and shard.codec["lossy"] is True
+        for i, (start, stop) in enumerate(spans):
+            for slot in range(stacked.shape[0]):
+                key = f"s{i}/hidden_states/{slot}"
+                info = shard.info(key)
+                got, want = shard.get_tensor(key), stacked[slot, start:stop].float()
+                assert got.dtype == dtype and list(got.shape) == info["shape"] == [stop - start, stacked.shape[2]]
+                # the recorded error is the error of what is read back (bf16 output adds its own rounding)
+                measured = ((got.float() - want) ** 2).sum().item()
+                assert info["sq_err"] == pytest.approx(measured, rel=0.15 if dtype == torch.bfloat16 else 1e-4)
+                assert info["sq_sum"] == pytest.approx((want ** 2).sum().item(), rel=1e-5)
+                relative = (info["sq_err"] / info["sq_sum"]) ** 0.5
+                assert 0.005 < relative < FP8_MAX_RELATIVE_ERROR  # lossy, and within e4m3's 3 mantissa bits
+                # per-token scale: every row's largest value comes back to within e4m3's rounding
+                assert torch.allclose(got.float().abs().amax(-1), want.abs().amax(-1), rtol=0.07)
+            assert torch.equal(shard.get_tensor(f"s{i}/input_ids"), torch.arange(start, stop, dtype=torch.int32))
+
+
+def test_fp8_is_a_byte_per_value_plus_a_scale_per_token(tmp_path):
+    stacked = captured_like(rows=64, width=256)
+    out = write_fp8_shard(tmp_path / "shard.safetensors", stacked, [(0, 64)])
+    plain_states = stacked.numel() * 4
+    assert out.size < plain_states / 3.5  # fp32 -> 1 byte per value (+ 4 bytes per token and the header)
+
+
+def test_zero_rows_and_a_damaged_fp8_tensor(tmp_path):
+    stacked = captured_like()
+    stacked[:, 3] = 0  # a zero state (scale 1, not a division by zero)
+    write_fp8_shard(tmp_path / "shard.safetensors", stacked, [(0, 40)])
+    with ShardReader(tmp_path / "shard.safetensors") as shard:
+        got = shard.get_tensor("s0/hidden_states/1")
+        assert torch.isfinite(got).all() and not got[3].any()
+    stacked_before = stacked.clone()
+    fp8_encode_step(stacked)
+    assert torch.equal(stacked, stacked_before)  # encoding leaves the step's states as they were
+    data = bytearray((tmp_path / "shard.safetensors").read_bytes())
+    header = read_header(tmp_path / "shard.safetensors")
+    data[8 + int.from_bytes(data[:8], "little") + header["s0/hidden_states/2"]["data_offsets"][0] + 50] ^= 0x40
+    (tmp_path / "shard.safetensors").write_bytes(bytes(data))
+    with ShardReader(tmp_path / "shard.safetensors") as shard, pytest.raises(CorruptTensorError, match="CRC-32"):
+        shard.get_tensor("s0/hidden_states/2")
+
+
+def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device():
+    stored, extra = frame_nvcomp([NvcompPiece(torch.arange(10, dtype=torch.uint8), 3),
+                                  NvcompPiece(torch.arange(7, dtype=torch.uint8), 2)])
+    assert extra == {}
+    buffers = nvcomp_buffers(np.frombuffer(stored, dtype=np.uint8))
+    assert [b.tolist() for b in buffers] == [list(range(10)), list(range(7))]
+    with pytest.raises(ValueError, match="buffers of"):
+        nvcomp_buffers(np.frombuffer(stored[:-1], dtype=np.uint8))
+    with pytest.raises(ValueError, match="frame of"):
+        nvcomp_buffers(np.frombuffer(struct.pack("<I", 1000), dtype=np.uint8))
+    if not torch.cuda.is_available():
+        with pytest.raises(CodecUnavailable, match="CUDA device only"):
+            decode_nvcomp(np.frombuffer(stored, dtype=np.uint8), [5, 1], torch.bfloat16)
