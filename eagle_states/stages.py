@@ -31,39 +31,41 @@ log = logging.getLogger(__name__)
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
-def ensure_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> None:
+def ensure_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> LayerSelection | None:
     """Build the built-in demo model and conversations where the parameters ask for them and they are missing;
-    then check what needs no engine (`check_inputs`)."""
+    then check what needs no engine (`check_inputs`, whose layer selection is returned)."""
     from eagle_states.demo import make_demo_model, write_demo_conversations
 
     if params.model.build_demo_if_missing and not (Path(params.model.path) / "config.json").exists():
         make_demo_model(Path(params.model.path))
     if data and params.data.build_demo_if_missing and not Path(params.data.path).exists():
         write_demo_conversations(Path(params.data.path))
-    check_inputs(params, data, layers)
+    return check_inputs(params, data, layers)
 
 
 # A tokenizer's vocabulary, in one of the forms transformers loads (tokenizer_config.json alone is not one).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 
-def check_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> None:
+def check_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> LayerSelection | None:
     """Every check that needs no engine and no server, so that a wrong path or setting fails in a second, not
     after a model load: the model directory (config, weight files as long as their headers say, a tokenizer),
-    the layer ids against the model (`layers`: the steps that capture), the conversations file (`data`: not
-    empty, text) or the extraction input."""
+    the layer ids against the model (`layers`: the steps that capture; the resolved selection is returned, for the
+    extraction to use rather than resolve again), the conversations file (`data`: not empty, text) or the
+    extraction input."""
     model_dir = Path(params.model.path)
     config = read_model_config(model_dir)
     check_weight_files(model_dir)
     if not any((model_dir / name).exists() for name in TOKENIZER_FILES) and not any(model_dir.glob("*.tiktoken")):
         raise ModelError(f"{model_dir} has no tokenizer vocabulary (one of {', '.join(TOKENIZER_FILES)})")
-    if layers:
-        LayerSelection.resolve(params.extract.layer_ids, int(config.get("text_config", config)["num_hidden_layers"]))
+    selection = LayerSelection.resolve(params.extract.layer_ids, int(config.get("text_config", config)[
+        "num_hidden_layers"])) if layers else None
     path, what = (params.data.path, "conversations file") if data else (params.extract_input, "extraction input")
     if not Path(path).exists():
         raise FileNotFoundError(f"{what} {path} does not exist")
     if data:
         _check_text_file(Path(path), what)
+    return selection
 
 
 def _check_text_file(path: Path, what: str) -> None:
@@ -241,8 +243,7 @@ class ExtractOutcome:
 
 def open_extraction(params: PipelineParams) -> Extraction:
     """The extraction's plan: the inputs checked, shards planned, room on the disk checked, nothing loaded."""
-    check_inputs(params, data=False)
-    extraction = Extraction(params)
+    extraction = Extraction(params, check_inputs(params, data=False))
     missing = len(extraction.unfinished()) if params.regenerate.capture else 0
     if missing:  # a prefill would give other bytes than the capture while generating that the settings say
         raise MissingCapture(f"{params.output.dir}: {missing} of {len(extraction.shards)} shards are not on disk; "

@@ -91,10 +91,3 @@ def model_identity(model_dir: Path) -> dict:
         "weights_fingerprint": _weights_fingerprint(model_dir),
         "tokenizer_sha256": hash_files(tokenizer_files),
     }
-
-
-
-def model_context(model_dir: Path) -> int | None:
-    """The positions the model was built for (config.json `max_position_embeddings`), if it says."""
-    config = read_model_config(model_dir)
-    return config.get("text_config", config).get("max_position_embeddings")

@@ -25,7 +25,7 @@ from eagle_states.dataset.capture_format import CAPTURE_CODE_HASHES_OF_FORMAT_1,
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import (atomic_write_bytes, atomic_write_json, fsync_path, hash_json, json_bytes,
                                         sha256_file)
-from eagle_states.dataset.identity import model_context, model_identity, read_model_config
+from eagle_states.dataset.identity import model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
 from eagle_states.dataset.prepared import InputSample, input_hash, load_input
@@ -136,12 +136,10 @@ def plan_shards(samples: list[InputSample], shard_max_tokens: int) -> list[Plann
     return shards + [packer.close()] if samples else shards
 
 
-def resolved_dtype(model_dir: Path, dtype: str) -> str:
+def resolved_dtype(text_config: dict, dtype: str) -> str:
     if dtype != "auto":
         return dtype
-    config = read_model_config(model_dir)
-    config = config.get("text_config", config)
-    found = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    found = text_config.get("torch_dtype") or text_config.get("dtype") or "bfloat16"
     return "float32" if found == "float32" else found
 
 
@@ -155,20 +153,25 @@ class CaptureConfig:
     (the config hash and the room for the longest prompt): an engine worker serves one, and shards of another
     model or other settings never reach it (`coordination.worker_tasks.task_key` is its Prefect queue)."""
 
-    def __init__(self, params: PipelineParams):
+    def __init__(self, params: PipelineParams, layers: LayerSelection | None = None):
+        """`layers`: the selection already resolved from these parameters (`stages.check_inputs`), if it was."""
         self.params = params
         self.model = model_identity(Path(params.model.path))
-        context = model_context(Path(params.model.path))
+        config = read_model_config(Path(params.model.path))
+        text_config = config.get("text_config", config)
+        context = text_config.get("max_position_embeddings")  # the positions the model was built for
         if context and params.extract.max_model_len > context:
             raise ValueError(f"extract.max_model_len ({params.extract.max_model_len}) is beyond the model's context "
                              f"({context} positions, config.json max_position_embeddings)")
-        self.layers = LayerSelection.resolve(params.extract.layer_ids, self.model["num_layers"])
-        self.dtype = resolved_dtype(Path(params.model.path), params.extract.dtype)
+        self.layers = layers or LayerSelection.resolve(params.extract.layer_ids, self.model["num_layers"])
+        self.dtype = resolved_dtype(text_config, params.extract.dtype)
         e = params.extract
         self.codec = Codec(e.codec, e.codec_level, e.codec_threads)
         self.out = Path(params.output.dir)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
-                              "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {})}
+                              "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {}),
+                              # a step codec has no level: changing it recomputes nothing
+                              **({"extract.codec_level": None} if self.codec.on_device else {})}
         self.config_hash = self._config_hash(capture_format=CAPTURE_FORMAT_VERSION)
         # receipts written before the capture format was declared, keyed by the capture's source text
         self.accepted_config_hashes = {self.config_hash} | {
@@ -219,8 +222,8 @@ class CaptureConfig:
 class Extraction(CaptureConfig):
     """One dataset directory being filled from one input; `run()` does the whole thing."""
 
-    def __init__(self, params: PipelineParams):
-        super().__init__(params)
+    def __init__(self, params: PipelineParams, layers: LayerSelection | None = None):
+        super().__init__(params, layers)
         self.samples = load_input(Path(params.extract_input), self.model["vocab_size"],
                                   params.extract.max_model_len - 1, params.validate_.min_loss_tokens)
         self.shards = plan_shards(self.samples, params.extract.shard_max_tokens)
