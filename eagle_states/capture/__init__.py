@@ -2,7 +2,12 @@
 
     engine.py     the engine driver (`CaptureEngine`), its holders and the admission rule
     protocol.py   the driver <-> worker calls and replies, typed and checked on both sides
-    worker.py     the worker extension: forward hooks, assembly off the forward path, shard writing
+    worker.py     the worker extension: the driver's calls to a worker's capture, made of
+      forward.py        the forward path: hooks, the pinned pool, each step's device-to-host hand-off
+                        (the only part that reads vLLM's model runner)
+      assembler.py      samples from steps, off the forward path (a thread)
+      shard_writer.py   shard files written as their samples complete (a thread pool, writer rank)
+      handoff.py        what those threads pass each other
 
 Checked against the vLLM versions in `CHECKED_VLLM_VERSIONS` (recorded in every manifest).
 """

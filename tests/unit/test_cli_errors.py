@@ -150,11 +150,14 @@ def test_a_killed_preparations_leftovers_go_with_the_next_one(workdir, llama_mod
 
 def test_a_full_disk_in_a_shard_writer_names_the_file_and_is_not_retried():
     # issue #30.9: ENOSPC said "No space left on device" without the path and the shard was computed once more
+    from types import SimpleNamespace
+
     from eagle_states.capture.worker import _Capture
     from eagle_states.cli import error_line
 
-    capture = object.__new__(_Capture)  # only its failure hand-off, as a writer thread leaves it
-    capture.rank, capture.failure = 0, OSError(errno.ENOSPC, "No space left on device", "/data/ds/shards/x.tmp")
+    capture = object.__new__(_Capture)  # only its failure hand-off, as the assembler leaves it
+    failure = OSError(errno.ENOSPC, "No space left on device", "/data/ds/shards/x.tmp")
+    capture.rank, capture.assembler = 0, SimpleNamespace(take_failure=lambda: failure)
     with pytest.raises(OSError) as raised:
         capture._raise_failure()
     assert raised.value.errno == errno.ENOSPC and is_permanent(raised.value)

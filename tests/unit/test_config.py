@@ -114,7 +114,7 @@ def test_no_layer_imports_one_above_it():
 
 def test_a_model_that_is_not_what_its_config_says_is_refused(tmp_path):
     from eagle_states.capture.protocol import CaptureError, Setup
-    from eagle_states.capture.worker import check_loaded_model
+    from eagle_states.capture.forward import check_loaded_model
 
     setup = Setup(layer_ids=[2, 4], num_layers=8, hidden_size=256, write_threads=1)
     check_loaded_model(8, 256, setup)

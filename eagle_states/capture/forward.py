@@ -1,0 +1,360 @@
+"""The forward path: hooks that capture the residual stream, and each step's hand-off to the assembler.
+
+The one part of the capture that reads vLLM's model runner (a second runner, vLLM's V2, needs a second version of
+this module and nothing else). What it relies on (the versions checked are `CHECKED_VLLM_VERSIONS`):
+  * `runner.get_model()` holds a module list of decoder layers called as
+    `layer(positions, hidden_states, residual, ...)` returning `(hidden_states, residual)` with a fused
+    add+RMSNorm, so the stream is `hidden_states + residual` (residual is None entering layer 0). Kernels update
+    both in place, so the sum is taken (a new tensor) inside the hook.
+  * `runner._model_forward(input_ids=..., positions=...)` runs every real scheduler step; warm-up, profiling and
+    dummy runs call the model directly, so hooks record only while `_model_forward` runs. `positions` and
+    `input_ids` are persistent buffers that the next step overwrites.
+  * Rows of a step belong to requests in `runner.input_batch.req_ids` order, delimited by
+    `runner.query_start_loc.np`; rows past the last offset are padding. The order of
+    `scheduler_output.num_scheduled_tokens` is NOT the row order.
+  * A request's sample id travels in `SamplingParams.extra_args[SAMPLE_ID_KEY]` (`runner.requests[id]
+    .sampling_params`); requests without it are ignored. `GENERATING_KEY` there flags a request captured while
+    it generates.
+  * `runner.requests[id].num_computed_tokens` counts the rows computed before this step (host side), so a
+    step that holds a prompt's last rows is known when it is launched; `runner.max_num_tokens` bounds a step's
+    rows; `runner.kv_cache_config` gives the KV cache's blocks, groups and block size, which the driver needs to
+    admit the next shard early (engine.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from eagle_states.capture import CHECKED_VLLM_VERSIONS
+from eagle_states.capture import protocol as p
+from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest
+from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
+                                           UnsupportedRunnerError)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model runner and the decoder layers, by structure
+def check_model_runner(runner_class: type) -> None:
+    """The capture hooks need vLLM's V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner`, or a
+    subclass such as the CPU build's): its `_model_forward`, `input_batch` and `requests` are what they read. vLLM's
+    V2 runner (`vllm.v1.worker.gpu.model_runner`, the GPU default from vLLM 0.33) has another forward path; a vLLM
+    without the V1 runner cannot be captured at all. Refused here, at engine start, with what to do."""
+    import vllm
+
+    checked = ", ".join(CHECKED_VLLM_VERSIONS)
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+    except ImportError:
+        raise UnsupportedRunnerError(f"vLLM {vllm.__version__} has no V1 model runner, which the capture hooks need; "
+                                     f"install a version it was checked on ({checked})") from None
+    if not (isinstance(runner_class, type) and issubclass(runner_class, V1Runner)):
+        name = f"{getattr(runner_class, '__module__', '?')}.{getattr(runner_class, '__qualname__', runner_class)}"
+        raise UnsupportedRunnerError(
+            f"vLLM {vllm.__version__} runs the model runner {name}; the capture hooks need the V1 runner "
+            f"(vllm.v1.worker.gpu_model_runner.GPUModelRunner): set VLLM_USE_V2_MODEL_RUNNER=0 (the capture sets it "
+            f"unless it is set already), or install a version it was checked on ({checked})")
+
+
+def kv_cache_facts(runner) -> dict[str, int]:
+    """The KV cache the scheduler admits requests against, as `SetupReply` fields."""
+    kv = runner.kv_cache_config
+    return {"kv_cache_blocks": kv.num_blocks, "kv_cache_groups": len(kv.kv_cache_groups),
+            "kv_block_tokens": min(g.kv_cache_spec.block_size for g in kv.kv_cache_groups)}
+
+
+def _is_decoder_layer(module: torch.nn.Module) -> bool:
+    params = inspect.signature(module.forward).parameters
+    return "hidden_states" in params and "residual" in params and "positions" in params
+
+
+def find_decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The ModuleList whose members are decoder layers taking (positions, hidden_states, residual)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(_is_decoder_layer(m) for m in module):
+            return module
+    layer_like = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                         for m in m})
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: no list of decoder layers with a forward(positions, hidden_states, residual) "
+        f"signature was found (module lists hold: {layer_like or 'nothing'}); the capture worker supports "
+        "vLLM models with fused residual decoder layers (Llama family, DeepSeek-V2/V3, Qwen, Mistral, ...)")
+
+
+def check_loaded_model(num_layers: int, hidden_size: int | None, setup: p.Setup) -> None:
+    """The layer ids were resolved against config.json (and the manifest records it): the loaded model must be the
+    one it describes."""
+    if (num_layers, hidden_size) != (setup.num_layers, setup.hidden_size):
+        raise CaptureError(f"the loaded model has {num_layers} decoder layers of width {hidden_size}, config.json "
+                           f"says {setup.num_layers} of width {setup.hidden_size}: the model directory and its "
+                           "config disagree")
+
+
+def _argument_getter(layer: torch.nn.Module, name: str):
+    params = list(inspect.signature(layer.forward).parameters)
+    position = params.index(name)
+
+    def get(args, kwargs):
+        return kwargs[name] if name in kwargs else (args[position] if position < len(args) else None)
+    return get
+
+
+# ---------------------------------------------------------------------------------------------------------------
+class _ForwardClock:
+    """Forward passes on the device's own timeline: how long each took and how long the device sat idle between
+    them (scheduling, sampling, shard boundaries, anything that holds up the engine's loop). On CUDA the model
+    call returns once its kernels are queued, so host time would count the GPU's work as the gap; CUDA events
+    time it where it runs. The CPU build runs the forward pass synchronously, so host time is that timeline."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pending = collections.deque()  # (start, end) not yet known to have run
+        self.previous_end = None  # the gap is counted from here; None after `restart`
+        self.forwards, self.forward_s, self.between_s = 0, 0.0, 0.0
+
+    def mark(self):
+        if not self.cuda:
+            return time.monotonic()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start, end):
+        self.pending.append((start, end))
+        self.settle(wait=False)
+
+    def _seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start  # CUDA events measure in ms
+
+    def settle(self, wait: bool):
+        while self.pending:
+            start, end = self.pending[0]
+            if self.cuda:
+                if wait:
+                    end.synchronize()
+                elif not end.query():
+                    return
+            self.pending.popleft()
+            self.forwards += 1
+            self.forward_s += self._seconds(start, end)
+            if self.previous_end is not None:
+                self.between_s += self._seconds(self.previous_end, start)
+            self.previous_end = end
+
+    def restart(self):
+        """Counts every pass so far; the next gap is counted from the next pass (idle time before it is not)."""
+        self.settle(wait=True)
+        self.previous_end = None
+
+
+class PinnedPool:
+    """Pinned host blocks for steps in flight (CUDA), reused: pinning memory per step is slow. Taken by the forward
+    thread, given back by the assembler and the writers."""
+
+    BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight; at least 4 steps
+
+    def __init__(self, num_states: int, max_num_tokens: int):
+        self.num_states, self.max_num_tokens = num_states, max_num_tokens
+        self.free: queue.Queue[PinnedBlock] = queue.Queue()
+        self.allocated = 0
+        self.lock = threading.Lock()
+        self.wait_s = 0.0  # the forward thread blocked on back-pressure
+
+    def take(self, like: torch.Tensor) -> PinnedBlock:
+        """A block for a stacked step like `like`; when all are in use, waits for the writer to release one, which
+        is the back-pressure that bounds host memory."""
+        try:
+            block = self.free.get_nowait()
+        except queue.Empty:
+            capacity = like[0].numel() * self.num_states * self.max_num_tokens // like.shape[1]
+            limit = max(4, self.BUDGET_BYTES // (capacity * like.element_size()))
+            if self.allocated < limit:
+                self.allocated += 1
+                # a normal tensor even when taken in the forward pass (inference mode): a driver call (outside
+                # it) may copy the next step into it, which an inference tensor refuses
+                with torch.inference_mode(False):
+                    buffer = torch.empty(max(capacity, like.numel()), dtype=like.dtype, pin_memory=True)
+                block = PinnedBlock(buffer)
+            else:
+                waited = time.monotonic()
+                block = self.free.get()
+                self.wait_s += time.monotonic() - waited
+        block.refs = 1  # the step's own reference, dropped when the assembler is done with it
+        return block
+
+    def hold(self, block: PinnedBlock) -> None:
+        """One more sample uses the block."""
+        with self.lock:
+            block.refs += 1
+
+    def release(self, blocks: list[PinnedBlock]) -> None:
+        with self.lock:
+            for block in blocks:
+                block.refs -= 1
+                if block.refs == 0:
+                    self.free.put(block)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _DeviceStep:
+    """A captured step on the device (CUDA), until `ForwardCapture.start_copy` moves it to the host."""
+    computed: torch.cuda.Event  # its states are computed once the compute stream passes this
+    requests: list[StepRequest]
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+    stacked: torch.Tensor | None  # (layers, rows, hidden): one copy to the host instead of one per layer
+
+
+class ForwardCapture:
+    """Hooks on the decoder layers and `_model_forward`: per captured step the forward thread launches the hooks'
+    additions and hands the step (rows, token ids, positions, states) to `deliver`; on CUDA through one
+    asynchronous device-to-host copy into a pinned block (`_to_host`), launched by `start_copy`."""
+
+    def __init__(self, runner, setup: p.Setup, writer: bool, deliver: Callable[[Step], None]):
+        self.runner = runner
+        self.layer_ids = setup.layer_ids
+        self.writer = writer  # only the writer rank captures states; the others hand off positions and ids
+        self.deliver = deliver
+        model = runner.get_model()
+        layers = find_decoder_layers(model)
+        self.num_layers = len(layers)
+        self.hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
+        check_loaded_model(self.num_layers, self.hidden_size, setup)
+        self.active = False
+        self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
+        self.is_cuda = torch.device(runner.device).type == "cuda"
+        self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
+        self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens)
+        self.pending_copy: _DeviceStep | None = None
+        self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
+        self.steps = 0
+        self.last_hand_off = 0.0  # time.monotonic() of the last captured step
+        self.clock = _ForwardClock(self.is_cuda)
+        self.handles = []
+        self._hook(layers)
+        self._wrap_forward()
+
+    def _hook(self, layers):
+        for k in sorted(set(self.layer_ids)):
+            if k < self.num_layers:
+                layer = layers[k]
+                get_hidden, get_residual = _argument_getter(layer, "hidden_states"), _argument_getter(layer, "residual")
+
+                def pre_hook(module, args, kwargs, k=k, get_hidden=get_hidden, get_residual=get_residual):
+                    if self.active:
+                        hidden, residual = get_hidden(args, kwargs), get_residual(args, kwargs)
+                        self.slots[k] = hidden.clone() if residual is None else hidden + residual
+                self.handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            else:
+                def post_hook(module, args, output, k=k):
+                    if self.active:
+                        hidden, residual = output
+                        self.slots[k] = hidden + residual
+                self.handles.append(layers[self.num_layers - 1].register_forward_hook(post_hook))
+
+    def _wrap_forward(self):
+        runner = self.runner
+        original = runner._model_forward
+
+        def model_forward(*args, **kwargs):
+            started = self.clock.mark()  # every real step, captured or not
+            try:
+                self.start_copy()  # the previous step's states
+                requests = self._step_requests()
+                if not requests:
+                    return original(*args, **kwargs)
+                self.slots.clear()
+                self.active = self.writer
+                try:
+                    output = original(*args, **kwargs)
+                finally:
+                    self.active = False
+                self._hand_off(requests, kwargs.get("positions"), kwargs.get("input_ids"))
+                return output
+            finally:
+                self.clock.add(started, self.clock.mark())
+        runner._model_forward = model_forward
+
+    def _step_requests(self) -> list[StepRequest]:
+        """The captured requests of this step. Samples whose last prompt rows are in this step go to `launched`
+        (from the host's counts: reading the device's positions here would wait for the GPU); generating ones do
+        not: their sample ends later."""
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
+        out = []
+        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
+            state = runner.requests[req_id]
+            extra = state.sampling_params.extra_args if state.sampling_params else None
+            if extra and SAMPLE_ID_KEY in extra:
+                prompt_len, generating = len(state.prompt_token_ids), bool(extra.get(GENERATING_KEY))
+                out.append(StepRequest(extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], prompt_len, generating))
+                if not generating and state.num_computed_tokens + starts[i + 1] - starts[i] >= prompt_len:
+                    self.launched.append(extra[SAMPLE_ID_KEY])
+        return out
+
+    def _hand_off(self, requests: list[StepRequest], positions, input_ids):
+        """Hand this step's rows to the assembler (on CUDA: stacked on the device, for `start_copy`)."""
+        if positions is None or input_ids is None or positions.dim() != 1:
+            raise CaptureError("the capture worker needs 1-D positions and token ids (no M-RoPE, no prompt embeds)")
+        num_rows = max(request.end for request in requests)
+        # positions and token ids live in persistent buffers that the next step overwrites: copy them now
+        positions, input_ids = positions[:num_rows].clone(), input_ids[:num_rows].clone()
+        states = None
+        if self.writer:
+            missing = [k for k in self.layer_ids if k not in self.slots]
+            if missing:
+                raise CaptureError(f"layers {missing} were not reached in this forward pass")
+            states = [self.slots[k][:num_rows] for k in self.layer_ids]
+            if any(s.shape[0] < num_rows for s in states):
+                raise CaptureError(f"captured {[tuple(s.shape) for s in states]} for {num_rows} rows "
+                                   "(sequence-parallel layers are not supported)")
+        self.slots.clear()
+        self.steps += 1
+        self.last_hand_off = time.monotonic()
+        if not self.is_cuda:  # the states are host tensors already
+            self.deliver(Step(requests, positions, input_ids, states, block=None, copied=None))
+            return
+        stacked = torch.stack(states) if states else None  # one copy to the host instead of one per layer
+        computed = torch.cuda.Event()
+        computed.record()
+        self.pending_copy = _DeviceStep(computed, requests, positions, input_ids, stacked)
+
+    def start_copy(self):
+        """Launch the device-to-host copy of the last captured step, on its own stream.
+
+        Deferred from the step itself to the next forward pass or driver call: launched at once, a step's states
+        (512 MB for 16k tokens of Llama-8B) would hold the device-to-host copy engine just when vLLM copies the
+        step's sampled tokens to the host, and vLLM, waiting for those, could wait for ours while the GPU idles.
+        Deferred, the copy runs beside the next forward pass (measured effect small: bench/RESULTS.md, run 6)."""
+        if self.pending_copy is None:
+            return
+        step, self.pending_copy = self.pending_copy, None
+        states, block = None, None
+        self.copy_stream.wait_event(step.computed)
+        with torch.cuda.stream(self.copy_stream):
+            for t in (step.positions, step.input_ids, step.stacked):
+                if t is not None:
+                    t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
+            positions = step.positions.to("cpu", non_blocking=True)
+            input_ids = step.input_ids.to("cpu", non_blocking=True)
+            if step.stacked is not None:
+                states, block = self._to_host(step.stacked)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        self.deliver(Step(step.requests, positions, input_ids, states, block, copied))
+
+    def _to_host(self, stacked: torch.Tensor) -> tuple[list[torch.Tensor], PinnedBlock]:
+        """The one place a step's stacked device states become their host copy: queued on the copy stream (the
+        caller's), into a pinned block; a layer's states per entry of the list."""
+        block = self.pinned.take(stacked)
+        host = block.buffer[: stacked.numel()].view(stacked.shape).copy_(stacked, non_blocking=True)
+        return list(host.unbind(0)), block

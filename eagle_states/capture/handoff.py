@@ -1,0 +1,89 @@
+"""What the capture's threads hand each other: the forward thread's steps (to the assembler), the assembler's
+samples and shard plans (to the shard writers), and the pinned blocks they share. Nothing here reads vLLM."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagle_states.dataset.codec import Codec
+
+if TYPE_CHECKING:
+    from eagle_states.capture.forward import PinnedPool
+
+
+@dataclass(slots=True, eq=False)
+class PinnedBlock:
+    """A pinned host buffer holding one step's states; back in the pool once every sample using it is written."""
+    buffer: torch.Tensor
+    refs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """A captured request's rows in a step: rows [start, end) of the step belong to sample `sample_id`."""
+    sample_id: str  # a generating request's key until `FinishGeneration` names its sample
+    start: int
+    end: int
+    prompt_len: int
+    generating: bool  # captured while it generates: its decode rows are kept
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Step:
+    """One forward pass's rows, on the host once `copied` has completed (None: they already are)."""
+    requests: list[StepRequest]
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+    states: list[torch.Tensor] | None  # one per captured layer; None on ranks that do not write
+    block: PinnedBlock | None  # the pinned block `states` live in (CUDA)
+    copied: torch.cuda.Event | None
+
+
+@dataclass(slots=True, eq=False)
+class PartialSample:
+    """A sample being assembled from its steps' rows (views into their states, no copies)."""
+    next: int = 0  # the position its next rows start at
+    ids: list[torch.Tensor] = field(default_factory=list)
+    chunks: list[list[torch.Tensor]] = field(default_factory=list)  # per step: a piece per layer
+    blocks: list[PinnedBlock] = field(default_factory=list)  # the pinned blocks `chunks` are views of
+
+
+@dataclass(slots=True, eq=False)
+class CapturedSample:
+    """A complete sample, until its shard's writer has written it."""
+    ids: torch.Tensor
+    chunks: list[list[torch.Tensor]] | None  # per piece: a tensor per layer; None once its blocks are given back
+    blocks: list[PinnedBlock]
+
+    def forget(self, pinned: PinnedPool) -> None:
+        """Hand a written (or abandoned) sample's pinned blocks back, once."""
+        if self.chunks is not None:
+            self.chunks = None
+            pinned.release(self.blocks)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ShardPlan:
+    """A shard's samples (in the driver's order), their sizes and loss masks, and how its states are stored."""
+    sample_ids: list[str]
+    num_tokens: dict[str, int]
+    loss_masks: dict[str, list[int]]
+    codec: Codec
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OpenShard:
+    """A shard between its begin and end markers."""
+    plan: ShardPlan
+    future: Future | None  # its writer's (sha256, bytes); None on ranks that do not write
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EndedShard:
+    """A shard whose samples were all captured, until the driver's poll reports it."""
+    samples: dict[str, tuple[int, int]]  # sample id -> (tokens, crc32 of the token ids)
+    future: Future | None

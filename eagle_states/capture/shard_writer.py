@@ -1,0 +1,79 @@
+"""The shard writers: a pool of threads on the writer rank, a shard's file written by one of them, sample by
+sample in the file's order as the assembler completes them. Reads nothing of vLLM."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from eagle_states.capture.handoff import CapturedSample, ShardPlan
+from eagle_states.capture.protocol import CaptureError
+from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
+from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
+
+if TYPE_CHECKING:
+    from eagle_states.capture.forward import PinnedPool
+
+
+class ShardWriter:
+    """Streams each sample from host memory to disk as soon as it is complete, and hands its pinned blocks back.
+    Host memory is bounded by the pinned pool (CUDA) and by the number of shards held for writing
+    (`write_threads + 1`)."""
+
+    def __init__(self, num_states: int, write_threads: int, pinned: PinnedPool):
+        self.num_states = num_states  # captured layers: a hidden state per layer and sample
+        self.pinned = pinned
+        self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
+        self.write_slots = threading.BoundedSemaphore(write_threads + 1)
+        self.lock = threading.Lock()
+        self.encoded_bytes, self.encode_s = 0, 0.0  # summed over the writer threads
+
+    def submit(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> Future:
+        """Start writing a shard whose samples `take` hands over as they are complete; waits (the assembler) while
+        `write_threads + 1` shards are held for writing. The future gives the file's (sha256, bytes)."""
+        self.write_slots.acquire()
+        return self.pool.submit(self._write_shard, path, plan, take)
+
+    def _write_shard(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> tuple[str, int]:
+        try:
+            order = shard_sample_order(plan.sample_ids)
+            first = take(order[0])
+            try:
+                like = first.chunks[0][0]  # the stream's dtype and width, from the first captured piece
+                specs = {}
+                for sid in order:
+                    specs.update(sample_tensor_specs(sid, plan.num_tokens[sid], self.num_states, like.shape[-1],
+                                                     like.dtype))
+                with ShardFileWriter(Path(path), specs, plan.codec) as out:
+                    for sid in order:
+                        sample = first if sid == order[0] else take(sid)
+                        try:
+                            self._write_sample(out, sid, sample, plan.loss_masks[sid])
+                        finally:
+                            sample.forget(self.pinned)
+                with self.lock:
+                    self.encoded_bytes += out.encoded_bytes
+                    self.encode_s += out.encode_s
+            finally:
+                first.forget(self.pinned)  # a no-op once written; gives it back when the file could not be opened
+            return out.sha256, out.size
+        except OSError as exc:
+            if exc.filename is None:  # "No space left on device" names no file; the user needs to know which disk
+                raise OSError(exc.errno, exc.strerror, path) from exc
+            raise
+        finally:
+            self.write_slots.release()
+
+    def _write_sample(self, out: ShardFileWriter, sample_id: str, sample: CapturedSample, mask: list[int]):
+        if len(mask) != len(sample.ids):
+            raise CaptureError(f"sample {sample_id}: loss mask of {len(mask)} for {len(sample.ids)} tokens")
+        tensors = {key_input_ids(sample_id): [sample.ids.to(torch.int32)],
+                   key_loss_mask(sample_id): [torch.tensor(mask, dtype=torch.uint8)]}
+        for slot in range(self.num_states):
+            tensors[key_hidden_state(sample_id, slot)] = [chunk[slot] for chunk in sample.chunks]
+        for name in sorted(tensors):
+            out.write(name, tensors[name])
