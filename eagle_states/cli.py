@@ -164,31 +164,16 @@ def cmd_publish(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from eagle_states import stages
-    from eagle_states.dataset.output_lock import output_lock
-    from eagle_states.extraction.driver import kept_shards_line
+    from eagle_states.coordination.server import start_temporary_server
     from eagle_states.run_report import render_text
 
-    # a run into another directory keeps its working files beside it, not in the default dataset's
-    beside = {"prepare.out": f"{args.out}.prepared", "regenerate.out": f"{args.out}.regenerated",
-              "validate.report": f"{args.out}.validation.json"} if args.out else {}
-    params = _load(args, **{"output.dir": args.out, **beside})
-    stages.ensure_inputs(params)  # before the Prefect server starts: a wrong path fails in a second
-    # a second run on this output is refused before it starts anything; a stop while the server starts says
-    # what was kept, as a stop later does
-    with output_lock(Path(params.output.dir)), \
-            stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir)):
-        from flows.extract_hidden_states import extract_hidden_states
-
-        try:
-            result = extract_hidden_states(params=params)
-        except RuntimeError as exc:
-            if "ephemeral Prefect API server" not in str(exc):
-                raise
-            raise RuntimeError(f"{exc} The temporary server did not start in "
-                               f"{os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS']} s on this machine: "
-                               "start one (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api, "
-                               "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
+    # the temporary Prefect server starts first: its start overlaps the imports and the input checks
+    server = start_temporary_server()
+    try:
+        result = _run_flow(args, server)
+    finally:
+        if server is not None:
+            server.stop()
     made_input = result["regenerate"] or result["prepare"]  # the step that made the extraction's input
     if args.json:
         print(json.dumps({"dataset": result["dataset"], "samples": result["extract"]["num_samples"],
@@ -204,6 +189,28 @@ def cmd_run(args) -> int:
                         made_input["out"])
         print(render_text(result))
     return 0
+
+
+def _run_flow(args, server) -> dict:
+    """The pipeline's flow run, recorded on `server` (a temporary Prefect server, or None: the configured one)."""
+    from eagle_states import stages
+    from eagle_states.coordination.server import recorded_on
+    from eagle_states.dataset.output_lock import output_lock
+    from eagle_states.extraction.driver import kept_shards_line
+
+    # a run into another directory keeps its working files beside it, not in the default dataset's
+    beside = {"prepare.out": f"{args.out}.prepared", "regenerate.out": f"{args.out}.regenerated",
+              "validate.report": f"{args.out}.validation.json"} if args.out else {}
+    params = _load(args, **{"output.dir": args.out, **beside})
+    stages.ensure_inputs(params)  # before the Prefect server is waited for: a wrong path fails in a second
+    # a second run on this output is refused before it starts anything; a stop while the server starts says
+    # what was kept, as a stop later does
+    with output_lock(Path(params.output.dir)), \
+            stopping.on_stop(describe=lambda: kept_shards_line(params.output.dir)):
+        from flows.extract_hidden_states import extract_hidden_states
+
+        with recorded_on(server):
+            return extract_hidden_states(params=params)
 
 
 def cmd_acceptance(args) -> int:

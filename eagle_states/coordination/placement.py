@@ -11,6 +11,7 @@ from eagle_states.config import PipelineParams
 from eagle_states.coordination.dispatch import dispatch, serving_workers
 from eagle_states.coordination.loading import wait_for_loading
 from eagle_states.coordination.local_workers import local_engine_workers
+from eagle_states.coordination.server import configured_api
 from eagle_states.extraction.driver import CaptureConfig, Extraction
 from eagle_states.extraction.stream import ShardOutcome
 
@@ -31,14 +32,12 @@ def placement(params: PipelineParams, serving_key: str | None = None) -> Placeme
     `extract.engine: workers`; with `auto`, when a configured Prefect server lists a worker serving this model and
     these settings, or one still loading it (waited for: a run here would load a second copy); else in this
     process. `serving_key`: the run's, where already known (else worked out only if the server is asked)."""
-    from prefect.settings import get_current_settings
-
     e = params.extract
     if e.data_parallel_size > 1:
         return Placement.LOCAL_WORKERS
     if e.engine == "workers":
         return Placement.WORKERS
-    if e.engine == "auto" and get_current_settings().api.url and \
+    if e.engine == "auto" and configured_api() and \
             wait_for_loading(serving_key or CaptureConfig(params).serving_key, serving_workers):
         return Placement.WORKERS
     return Placement.HERE

@@ -1,8 +1,10 @@
 """`eagle-states run` as a user sees it in a terminal (a real process, ephemeral Prefect): quiet, a short summary
 with the skipped rows named, a cached rerun that reads nothing again, and `eagle-states info`."""
 
+import contextlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +48,11 @@ def test_a_run_is_quiet_and_ends_with_a_summary(tmp_path, llama_model):
     out, err = run("run")
     assert "0 computed" in out and "(unchanged since last validated)" in out
     assert "capture engine ready" not in err, "no model loaded"
+    # both runs recorded, on the temporary server the command starts (its database under PREFECT_HOME)
+    with contextlib.closing(sqlite3.connect(tmp_path / "prefect-home" / "prefect.db")) as db:
+        runs = db.execute("SELECT state_type FROM flow_run WHERE flow_id IN "
+                          "(SELECT id FROM flow WHERE name = 'extract-hidden-states')").fetchall()
+    assert runs == [("COMPLETED",), ("COMPLETED",)]
 
     out, _ = run("info")
     assert f"{llama_model}" in out and "layer ids    [2, 4, 5, 8] (bfloat16)" in out
