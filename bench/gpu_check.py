@@ -16,7 +16,11 @@ expert choice is within ROUTING_TIE of a tie in HF's own fp32 router on those in
 tolerance is *counted* as a routing flip, and more than MAX_FLIPS of a layer's tokens flipped fails the check.
 A deliberately shifted capture (rows one token off) is run through the same criterion and must fail it.
 
-    python3 bench/gpu_check.py WORKDIR [--only llama|deepseek] [--device cpu]
+With `--codec C` the Llama check extracts with that codec and also without one, on the same engine, and the
+codec's dataset must pass validation on this machine and read back through `Dataset` bit for bit as the plain one
+(lossless codecs), or within the codec's error bound of it with the error its validation recorded (fp8-e4m3).
+
+    python3 bench/gpu_check.py WORKDIR [--only llama|deepseek] [--device cpu] [--codec nvcomp-ans]
 Prints one summary per model (per layer for DeepSeek) and exits 1 if either fails. `--device cpu` runs it on
 the CPU build (DeepSeek with the CPU build's head sizes), to try the check itself.
 """
@@ -41,16 +45,39 @@ ROUTING_TIE = 0.02  # top-k margin of the router's scores (sigmoid + bias) below
 MAX_FLIPS = 0.05  # of a layer's tokens: more flips than this is not a few near-ties any more
 
 
-def llama_check(work: Path, device: str) -> tuple[bool, str]:
+def codec_check(work: Path, params, engines: EngineHolder, codec: str) -> tuple[bool, str]:
+    """The codec's dataset against a plain one of the same prompts from the same engine."""
+    from eagle_states.dataset.codec import Codec
+    from eagle_states.validate import validate_dataset
+
+    plain = params.model_copy(deep=True)
+    plain.output.dir, plain.extract.codec = str(work / "dataset-plain"), "none"
+    run_extraction(Extraction(plain), progress=False, engines=engines)
+    verdict = validate_dataset(Path(params.output.dir))
+    lossy, worst, differ = Codec(codec).lossy, 0.0, 0
+    for ours, theirs in zip(Dataset(Path(params.output.dir)), Dataset(work / "dataset-plain")):
+        for a, b in zip(ours.hidden_states, theirs.hidden_states):
+            worst = max(worst, rel_error(a.float(), b.float()))
+            differ += not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    recorded = verdict.summary.get("relative_error_per_layer", {})
+    ok = verdict.valid and (worst < 0.05 if lossy else differ == 0)
+    return ok, (f"CODEC {codec} {'PASS' if ok else 'FAIL'}: validation {'valid' if verdict.valid else 'INVALID'} "
+                f"on this machine; read back against the plain capture: {differ} tensors differ, worst relative "
+                f"error {worst:.4f}" + (f", recorded per layer {recorded}" if recorded else ""))
+
+
+def llama_check(work: Path, device: str, codec: str = "none") -> tuple[bool, str]:
     model = make_demo_model(work / "demo-model")
     prompts = random_prompts(LENGTHS, 500, seed=1)
     source = write_prompt_jsonl(work / "prompts.jsonl", prompts)
     layers = [0, 2, 4, 5, 8]
     params = extraction_params(model, source, work / "dataset", layer_ids=layers, dtype="bfloat16",
                                shard_max_tokens=512, max_model_len=2048, max_num_batched_tokens=256,
-                               max_num_seqs=16, gpu_memory_utilization=0.3 if device == "cuda" else 0.2)
+                               max_num_seqs=16, gpu_memory_utilization=0.3 if device == "cuda" else 0.2,
+                               codec=codec)
     engines = EngineHolder()
     manifest = run_extraction(Extraction(params), progress=False, engines=engines)
+    codec_result = codec_check(work, params, engines, codec) if codec != "none" else (True, "")
     again = manifest["shards"][1::2]
     for shard in again:
         shard_path(work / "dataset", shard["name"]).unlink()
@@ -71,10 +98,13 @@ def llama_check(work: Path, device: str) -> tuple[bool, str]:
             if len(prompt) >= 16:
                 worst_ratio = max(worst_ratio, ours / max(theirs, 1e-6))
                 failures += ours > 2 * theirs + 1e-3
-    ok = not failures and not changed
+    if Dataset(work / "dataset").manifest["codec"].get("lossy"):  # held to HF through the plain capture
+        failures = 0
+    ok = not failures and not changed and codec_result[0]
     return ok, (f"LLAMA {'PASS' if ok else 'FAIL'}: {len(prompts)} samples, worst (ours / HF bf16 error) = "
                 f"{worst_ratio:.2f}, failures {failures}; {len(again)} of {len(manifest['shards'])} shards computed "
-                f"again beside other neighbours, {len(changed)} differ {changed}")
+                f"again beside other neighbours, {len(changed)} differ {changed}" +
+                (f"\n{codec_result[1]}" if codec_result[1] else ""))
 
 
 class _Stop(Exception):
@@ -193,9 +223,10 @@ if __name__ == "__main__":
     parser.add_argument("work", type=Path)
     parser.add_argument("--only", choices=["llama", "deepseek"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--codec", default="none", help="the Llama check's codec, checked against a plain capture")
     args = parser.parse_args()
-    results = [check(args.work, args.device) for name, check in (("llama", llama_check), ("deepseek", deepseek_check))
-               if args.only in (None, name)]
+    results = [llama_check(args.work, args.device, args.codec)] if args.only in (None, "llama") else []
+    results += [deepseek_check(args.work, args.device)] if args.only in (None, "deepseek") else []
     for _, text in results:
         print(text)
     sys.exit(0 if all(ok for ok, _ in results) else 1)

@@ -38,6 +38,8 @@ from eagle_states.capture import protocol as p
 from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest
 from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
                                            UnsupportedRunnerError)
+from eagle_states.dataset.codec import Codec
+from eagle_states.dataset.step_codecs import EncodedStep, NvcompStepEncoder, fp8_encode_step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,25 +169,30 @@ class PinnedPool:
         self.lock = threading.Lock()
         self.wait_s = 0.0  # the forward thread blocked on back-pressure
 
-    def take(self, like: torch.Tensor) -> PinnedBlock:
-        """A block for a stacked step like `like`; when all are in use, waits for the writer to release one, which
-        is the back-pressure that bounds host memory."""
+    def take(self, stacked: torch.Tensor, nbytes: int) -> PinnedBlock:
+        """A block (bytes) for a step of `stacked`'s width and dtype, holding `nbytes` (the step as copied: its
+        states, or what a step codec made of them); when all are in use, waits for the writer to release one,
+        which is the back-pressure that bounds host memory."""
         try:
             block = self.free.get_nowait()
         except queue.Empty:
-            capacity = like[0].numel() * self.num_states * self.max_num_tokens // like.shape[1]
-            limit = max(4, self.BUDGET_BYTES // (capacity * like.element_size()))
+            capacity = stacked[0, 0].numel() * stacked.element_size() * self.num_states * self.max_num_tokens
+            capacity += capacity // 64 + (1 << 20)  # room for a step codec's framing on incompressible states
+            limit = max(4, self.BUDGET_BYTES // capacity)
             if self.allocated < limit:
                 self.allocated += 1
                 # a normal tensor even when taken in the forward pass (inference mode): a driver call (outside
                 # it) may copy the next step into it, which an inference tensor refuses
                 with torch.inference_mode(False):
-                    buffer = torch.empty(max(capacity, like.numel()), dtype=like.dtype, pin_memory=True)
+                    buffer = torch.empty(max(capacity, nbytes), dtype=torch.uint8, pin_memory=True)
                 block = PinnedBlock(buffer)
             else:
                 waited = time.monotonic()
                 block = self.free.get()
                 self.wait_s += time.monotonic() - waited
+        if block.buffer.numel() < nbytes:  # a step codec's output past the slack: this block grows, once
+            with torch.inference_mode(False):
+                block.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         block.refs = 1  # the step's own reference, dropped when the assembler is done with it
         return block
 
@@ -210,6 +217,8 @@ class _DeviceStep:
     positions: torch.Tensor
     input_ids: torch.Tensor
     stacked: torch.Tensor | None  # (layers, rows, hidden): one copy to the host instead of one per layer
+    codec: Codec  # its shard's: a step codec encodes it before the copy
+    spans: list[tuple[int, int]]  # the row spans samples take from it (what nvcomp-ans encodes apart)
 
 
 class ForwardCapture:
@@ -233,6 +242,11 @@ class ForwardCapture:
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
         self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens)
         self.pending_copy: _DeviceStep | None = None
+        # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
+        self.codec = Codec()
+        self.nvcomp: NvcompStepEncoder | None = None  # made on the first nvcomp-ans step
+        self.encode_timing: list = []  # (start, end, bytes) of step encodes not yet counted
+        self.device_encoded_bytes, self.device_encode_s = 0, 0.0
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         self.steps = 0
         self.last_hand_off = 0.0  # time.monotonic() of the last captured step
@@ -296,7 +310,8 @@ class ForwardCapture:
             extra = state.sampling_params.extra_args if state.sampling_params else None
             if extra and SAMPLE_ID_KEY in extra:
                 prompt_len, generating = len(state.prompt_token_ids), bool(extra.get(GENERATING_KEY))
-                out.append(StepRequest(extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], prompt_len, generating))
+                out.append(StepRequest(extra[SAMPLE_ID_KEY], starts[i], starts[i + 1], prompt_len, generating,
+                                       state.num_computed_tokens))
                 if not generating and state.num_computed_tokens + starts[i + 1] - starts[i] >= prompt_len:
                     self.launched.append(extra[SAMPLE_ID_KEY])
         return out
@@ -320,13 +335,20 @@ class ForwardCapture:
         self.slots.clear()
         self.steps += 1
         self.last_hand_off = time.monotonic()
+        spans = [r.prompt_rows for r in requests if not r.generating and r.prompt_rows[1] > r.prompt_rows[0]]
         if not self.is_cuda:  # the states are host tensors already
+            if states and self.codec.on_device:
+                if self.codec.name != "fp8-e4m3":
+                    raise CaptureError(f"extract.codec {self.codec.name} encodes on a CUDA device; this engine "
+                                       f"runs on {self.runner.device}")
+                encoded = self._encode(torch.stack(states), spans, self.codec)
+                states = encoded.host_rows(encoded.data, self.codec.name)
             self.deliver(Step(requests, positions, input_ids, states, block=None, copied=None))
             return
         stacked = torch.stack(states) if states else None  # one copy to the host instead of one per layer
         computed = torch.cuda.Event()
         computed.record()
-        self.pending_copy = _DeviceStep(computed, requests, positions, input_ids, stacked)
+        self.pending_copy = _DeviceStep(computed, requests, positions, input_ids, stacked, self.codec, spans)
 
     def start_copy(self):
         """Launch the device-to-host copy of the last captured step, on its own stream.
@@ -346,15 +368,43 @@ class ForwardCapture:
                     t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
             positions = step.positions.to("cpu", non_blocking=True)
             input_ids = step.input_ids.to("cpu", non_blocking=True)
-            if step.stacked is not None:
-                states, block = self._to_host(step.stacked)
+            if step.stacked is not None and step.codec.on_device:
+                encoded = self._encode(step.stacked, step.spans, step.codec)
+                host, block = self._to_host(encoded.data, step.stacked)
+                states = encoded.host_rows(host, step.codec.name)
+            elif step.stacked is not None:
+                host, block = self._to_host(step.stacked, step.stacked)
+                states = list(host.unbind(0))
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
         self.deliver(Step(step.requests, positions, input_ids, states, block, copied))
 
-    def _to_host(self, stacked: torch.Tensor) -> tuple[list[torch.Tensor], PinnedBlock]:
-        """The one place a step's stacked device states become their host copy: queued on the copy stream (the
-        caller's), into a pinned block; a layer's states per entry of the list."""
-        block = self.pinned.take(stacked)
-        host = block.buffer[: stacked.numel()].view(stacked.shape).copy_(stacked, non_blocking=True)
-        return list(host.unbind(0)), block
+    def _encode(self, stacked: torch.Tensor, spans: list[tuple[int, int]], codec: Codec) -> EncodedStep:
+        """A step codec on the step's states, where they are (on CUDA: queued on the copy stream, behind the step's
+        kernels; nvCOMP waits for its own output sizes), timed on the device's timeline."""
+        start = self.clock.mark()
+        if codec.name == "fp8-e4m3":
+            encoded = fp8_encode_step(stacked)
+        else:
+            self.nvcomp = self.nvcomp or NvcompStepEncoder(self.copy_stream)
+            encoded = self.nvcomp(stacked, spans)
+        self.encode_timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
+        return encoded
+
+    def encode_seconds(self) -> tuple[int, float]:
+        """(bytes, seconds) the step codecs took in so far (waits for the encodes still running)."""
+        for start, end, nbytes in self.encode_timing:
+            if self.is_cuda:
+                end.synchronize()
+            self.device_encoded_bytes += nbytes
+            self.device_encode_s += start.elapsed_time(end) / 1e3 if self.is_cuda else end - start
+        self.encode_timing.clear()
+        return self.device_encoded_bytes, self.device_encode_s
+
+    def _to_host(self, data: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, PinnedBlock]:
+        """The one place a step becomes its host copy: `data` (the stacked states, or what a step codec made of
+        them) queued on the copy stream (the caller's) into a pinned block sized by `stacked`'s width."""
+        nbytes = data.numel() * data.element_size()
+        block = self.pinned.take(stacked, nbytes)
+        host = block.buffer[:nbytes].view(data.dtype).view(data.shape).copy_(data, non_blocking=True)
+        return host, block

@@ -30,6 +30,12 @@ class StepRequest:
     end: int
     prompt_len: int
     generating: bool  # captured while it generates: its decode rows are kept
+    computed: int  # the request's rows computed before this step (its first row's position)
+
+    @property
+    def prompt_rows(self) -> tuple[int, int]:
+        """The rows of the step that are prompt rows (a prefill's last step may end with a decode row)."""
+        return self.start, min(self.end, self.start + self.prompt_len - self.computed)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -38,7 +44,8 @@ class Step:
     requests: list[StepRequest]
     positions: torch.Tensor
     input_ids: torch.Tensor
-    states: list[torch.Tensor] | None  # one per captured layer; None on ranks that do not write
+    states: list | None  # one per captured layer, rows sliceable (tensors, or a step codec's rows); None on ranks
+    # that do not write
     block: PinnedBlock | None  # the pinned block `states` live in (CUDA)
     copied: torch.cuda.Event | None
 

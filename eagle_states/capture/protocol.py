@@ -124,6 +124,8 @@ class StatsReply(Message):
     between_forwards_s: float  # device idle between them
     encoded_bytes: int  # hidden-state bytes compressed by the shard writers (extract.codec)
     encode_s: float  # the writer threads' time in compressing them (summed over threads)
+    device_encoded_bytes: int = 0  # hidden-state bytes a step codec encoded on the device (extract.codec)
+    device_encode_s: float = 0.0  # the device's time in encoding them (CUDA events; host time on the CPU build)
 
 
 class Discarded(Message):

@@ -52,8 +52,10 @@ class _Capture:
         self.work.put(marker)
 
     def begin_shard(self, call: p.BeginShard) -> p.Queued:
-        """Queue a shard's plan before its requests run; returns at once."""
+        """Queue a shard's plan before its requests run; returns at once. Its codec applies to the steps from
+        here on (a step holds rows of one shard only)."""
         self._queue(call)
+        self.forward.codec = call.codec
         return p.Queued(path=call.path)
 
     def end_shard(self, call: p.EndShard) -> p.Queued:
@@ -89,7 +91,8 @@ class _Capture:
             generated_rows=assembler.generated_rows, pinned_wait_s=forward.pinned.wait_s,
             last_hand_off=forward.last_hand_off, forwards=clock.forwards, forward_s=clock.forward_s,
             between_forwards_s=clock.between_s, encoded_bytes=self.shards.encoded_bytes if self.shards else 0,
-            encode_s=self.shards.encode_s if self.shards else 0.0)
+            encode_s=self.shards.encode_s if self.shards else 0.0, **dict(zip(
+                ("device_encoded_bytes", "device_encode_s"), forward.encode_seconds())))
 
     def discard(self, call: p.Discard) -> p.Discarded:
         """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts

@@ -117,7 +117,6 @@ class ShardFileWriter:
                 raise ValueError(f"{self.path.name}: {name} got {rows} encoded rows, the header says "
                                  f"{self.specs[name][1][0]}")
             self._stored[name], self._extra[name] = self.codec.frame(pieces)
-            self.encoded_bytes += self.nbytes[name]
             self._next += 1
             return
         data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]

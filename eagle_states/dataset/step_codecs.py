@@ -57,30 +57,43 @@ def nvcomp_version() -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Pieces: a span of rows of one layer slot, after the copy (views of the host step)
+# A piece has the `shape` ([rows, H]) and `dtype` of the states it stands for, as the shard writer reads a plain
+# piece's.
 @dataclass(frozen=True)
 class Fp8Piece:
     codes: torch.Tensor  # uint8 [r, H]: e4m3 bit patterns
     aux: torch.Tensor  # float32 [r, FP8_AUX]
+    dtype: torch.dtype  # of the states (what the reader gives back)
 
     @property
     def rows(self) -> int:
         return self.codes.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
 
 
 @dataclass(frozen=True)
 class NvcompPiece:
     blob: torch.Tensor  # uint8: one nvCOMP native buffer
     rows: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.width
 
 
 class Fp8Rows:
     """One layer slot of an fp8 step on the host: sliced by rows like the plain states."""
 
-    def __init__(self, codes: torch.Tensor, aux: torch.Tensor):
-        self.codes, self.aux = codes, aux
+    def __init__(self, codes: torch.Tensor, aux: torch.Tensor, dtype: torch.dtype):
+        self.codes, self.aux, self.dtype = codes, aux, dtype
 
     def __getitem__(self, rows: slice) -> Fp8Piece:
-        return Fp8Piece(self.codes[rows], self.aux[rows])
+        return Fp8Piece(self.codes[rows], self.aux[rows], self.dtype)
 
 
 class NvcompRows:
@@ -106,6 +119,7 @@ class EncodedStep:
     layers: int
     rows: int
     width: int
+    dtype: torch.dtype  # of the states
     spans: tuple[tuple[int, int], ...] = ()  # nvcomp-ans: the encoded row spans
     sizes: tuple[int, ...] = ()  # nvcomp-ans: the bytes of each (layer, span) buffer, layer-major
 
@@ -116,13 +130,13 @@ class EncodedStep:
             codes = host[:n].view(self.layers, self.rows, self.width)
             aux = host[n:n + self.layers * self.rows * FP8_AUX * 4].view(torch.float32).view(
                 self.layers, self.rows, FP8_AUX)
-            return [Fp8Rows(codes[slot], aux[slot]) for slot in range(self.layers)]
+            return [Fp8Rows(codes[slot], aux[slot], self.dtype) for slot in range(self.layers)]
         out, offset, sizes = [], 0, iter(self.sizes)
         for _ in range(self.layers):
             pieces = {}
             for start, stop in self.spans:
                 size = next(sizes)
-                pieces[(start, stop)] = NvcompPiece(host[offset:offset + size], stop - start)
+                pieces[(start, stop)] = NvcompPiece(host[offset:offset + size], stop - start, self.width, self.dtype)
                 offset += size
             out.append(NvcompRows(pieces))
         return out
@@ -143,7 +157,8 @@ def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
         aux[slot, :, 0] = scale.squeeze(-1)
         aux[slot, :, 1] = (x - q.float() * scale).square_().sum(dim=-1)
         aux[slot, :, 2] = x.square().sum(dim=-1)  # not in place: `x` is the step's own tensor when float32
-    return EncodedStep(torch.cat([codes.reshape(-1), aux.reshape(-1).view(torch.uint8)]), layers, rows, width)
+    return EncodedStep(torch.cat([codes.reshape(-1), aux.reshape(-1).view(torch.uint8)]), layers, rows, width,
+                       stacked.dtype)
 
 
 class NvcompStepEncoder:
@@ -174,7 +189,10 @@ class NvcompStepEncoder:
         stored = encoded.buffer_sizes  # waits for the encoder
         parts = [from_dlpack(encoded[i].to_dlpack()).view(torch.uint8).reshape(-1)[:stored[i]]
                  for i in range(len(stored))]
-        return EncodedStep(torch.cat(parts), layers, rows, width, tuple(spans), tuple(stored))
+        data = torch.cat(parts)
+        # nvCOMP's buffers go with `encoded` when this returns: the gather from them must have run by then
+        self.stream.synchronize()
+        return EncodedStep(data, layers, rows, width, stacked.dtype, tuple(spans), tuple(stored))
 
 
 # ---------------------------------------------------------------------------------------------------------------

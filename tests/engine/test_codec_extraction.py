@@ -144,5 +144,41 @@ def test_the_codec_is_part_of_a_shards_cache_key(run, tmp_path):
     assert read_manifest(out)["codec"]["name"] == "blosc2-lz4" and validate_dataset(out).valid
 
 
+def test_fp8_reads_back_within_its_bound_of_the_plain_states_and_validation_measures_it_per_layer(run, tmp_path):
+    """fp8-e4m3 on the real capture path (encoded per engine step, before the hand-off; chunked prefill splits
+    samples across steps): the states read back within e4m3's rounding of the plain extraction's, the error the
+    capture recorded is the error they have, validation reports it per layer, and the exports read it back."""
+    plain, _ = run("none")
+    fp8, _ = run("fp8-e4m3")
+    manifest = read_manifest(fp8)
+    assert manifest["codec"]["name"] == "fp8-e4m3" and manifest["codec"]["lossy"] is True
+    stored = sum(s["bytes"] for s in manifest["shards"])
+    assert stored < 0.3 * sum(s["bytes"] for s in read_manifest(plain)["shards"])  # fp32 -> a byte and a scale
+    errors, norms = {}, {}
+    for x, y in zip(Dataset(fp8), Dataset(plain)):
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        for k, s, t in zip(manifest["layer_ids"], x.hidden_states, y.hidden_states, strict=True):
+            assert s.dtype == t.dtype == torch.float32 and s.shape == t.shape
+            errors[k] = errors.get(k, 0.0) + float(((s - t) ** 2).sum())
+            norms[k] = norms.get(k, 0.0) + float((t ** 2).sum())
+    result = validate_dataset(fp8)
+    assert result.valid, result.failures
+    recorded = result.summary["relative_error_per_layer"]
+    assert sorted(recorded) == sorted(manifest["layer_ids"])
+    for k in manifest["layer_ids"]:
+        measured = (errors[k] / norms[k]) ** 0.5
+        assert 0.005 < measured < 0.05 and recorded[k] == pytest.approx(measured, rel=1e-3)
+    export_dataset(fp8, tmp_path / "speculators", "speculators", progress=False)
+    assert (tmp_path / "speculators" / EXPORT_FILE).exists()
+
+
+def test_nvcomp_where_it_cannot_run_is_refused_saying_what_it_needs(run, tmp_path):
+    """Without nvCOMP's package (CI) the settings are refused before any shard; with it, the CPU build's engine
+    refuses the first step: nothing is written that this machine could not read back."""
+    with pytest.raises(RuntimeError, match="nvcomp-ans (codec needs nvCOMP|encodes on a CUDA device)"):
+        run("nvcomp-ans", out=tmp_path / "dataset")
+    assert not (tmp_path / "dataset" / "manifest.json").exists()
+
+
 def test_compressed_and_plain_bf16_extractions_read_back_bit_identical(run):
     compressed_and_plain_read_back_bit_identical(run, "bfloat16")

@@ -97,8 +97,8 @@ def test_zero_rows_and_a_damaged_fp8_tensor(tmp_path):
 
 
 def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device():
-    stored, extra = frame_nvcomp([NvcompPiece(torch.arange(10, dtype=torch.uint8), 3),
-                                  NvcompPiece(torch.arange(7, dtype=torch.uint8), 2)])
+    stored, extra = frame_nvcomp([NvcompPiece(torch.arange(10, dtype=torch.uint8), 3, 8, torch.bfloat16),
+                                  NvcompPiece(torch.arange(7, dtype=torch.uint8), 2, 8, torch.bfloat16)])
     assert extra == {}
     buffers = nvcomp_buffers(np.frombuffer(stored, dtype=np.uint8))
     assert [b.tolist() for b in buffers] == [list(range(10)), list(range(7))]

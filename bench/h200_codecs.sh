@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The step codecs on the H200 (#29), one stage per device call (each call is at most 10 minutes):
+#   bash bench/h200_codecs.sh check|dsv3-disk|dsv3-shm|llama8b
+# Needs vLLM from ../shared/gpukit installed on the machine (/tmp/site) and the wheels in .whl/ (nvCOMP's two,
+# pandera, typeguard, py-spy). Results go to $OUT.
+set -uo pipefail
+source /tmp/site/kit_env.sh
+[ -d /tmp/site/nvidia/nvcomp ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+OUT=${OUT:-/tmp/out}
+DSV3="--layer-ids 1,2,3,4 --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768
+      --write-threads 8 --gpu-memory-utilization 0.8 --disk-probe-gb 8 --free-written --prompts 192 --prompt-len 2048"
+make_dsv3() { [ -d /dev/shm/dsv3 ] || python3 -m eagle_states make-demo-model /dev/shm/dsv3 --arch deepseek-v3-real \
+    --layers 4 --device cuda >/dev/null; }
+case "$1" in
+  check)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 bench/gpu_codec_check.py 2>&1 | tee "$OUT/gpu_codec_check.txt"
+    python3 bench/gpu_codec_check.py --layers 4 --rows 16384 --hidden 4096 2>&1 | tail -3 | tee -a "$OUT/gpu_codec_check.txt"
+    for codec in nvcomp-ans fp8-e4m3; do
+      python3 bench/gpu_check.py "/tmp/gc-$codec" --only llama --codec "$codec" >"$OUT/gpu_check_$codec.log" 2>&1
+      echo "gpu_check $codec: exit $?"; grep -E "PASS|FAIL|Error|error" "$OUT/gpu_check_$codec.log" | tail -4
+    done ;;
+  dsv3-disk)
+    make_dsv3
+    python3 -m eagle_states bench --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 \
+        --codecs none,nvcomp-ans,fp8-e4m3 --json "$OUT/dsv3-disk.json" 2>"$OUT/dsv3-disk.err" | tee "$OUT/dsv3-disk.txt"
+    tail -3 "$OUT/dsv3-disk.err" ;;
+  dsv3-shm)
+    make_dsv3
+    # where the host path's time goes, into RAM: every thread of the engine process, sampled
+    py-spy record --subprocesses --idle --format raw -r 25 -o "$OUT/dsv3-shm.pyspy" -- \
+      python3 -m eagle_states bench --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --rounds 2 \
+        --codecs none,nvcomp-ans,fp8-e4m3 --json "$OUT/dsv3-shm.json" 2>"$OUT/dsv3-shm.err" | tee "$OUT/dsv3-shm.txt"
+    tail -3 "$OUT/dsv3-shm.err" ;;
+  llama8b)
+    [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
+    python3 -m eagle_states bench --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds 2 \
+        --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768 --write-threads 8 \
+        --gpu-memory-utilization 0.85 --disk-probe-gb 8 --free-written --codecs none,nvcomp-ans \
+        --json "$OUT/llama8b-disk.json" 2>"$OUT/llama8b-disk.err" | tee "$OUT/llama8b-disk.txt"
+    tail -3 "$OUT/llama8b-disk.err" ;;
+esac
