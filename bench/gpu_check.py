@@ -50,8 +50,7 @@ def codec_check(work: Path, params, engines: EngineHolder, codec: str) -> tuple[
     from eagle_states.dataset.codec import Codec
     from eagle_states.validate import validate_dataset
 
-    plain = params.model_copy(deep=True)
-    plain.output.dir, plain.extract.codec = str(work / "dataset-plain"), "none"
+    plain = params.override({"output.dir": str(work / "dataset-plain"), "extract.codec": "none"})
     run_extraction(Extraction(plain), progress=False, engines=engines)
     verdict = validate_dataset(Path(params.output.dir))
     lossy, worst, differ = Codec(codec).lossy, 0.0, 0

@@ -182,7 +182,9 @@ class NvcompStepEncoder:
             codec = self.codecs[data_type] = nvcomp.Codec(algorithm="ANS", data_type=data_type,
                                                           cuda_stream=self.stream.cuda_stream)
         row_bytes = width * stacked.element_size()
-        flat = stacked.reshape(-1).view(torch.uint8)
+        # typed as the codec's data type (the batch's entries take their type from the buffer; bf16 has no
+        # array-protocol type of its own, and ANS codes 16-bit floats by their bits); offsets and sizes in bytes
+        flat = stacked.reshape(-1).view(torch.float16 if stacked.element_size() == 2 else torch.float32)
         offsets = [(slot * rows + start) * row_bytes for slot in range(layers) for start, _ in spans]
         sizes = [(stop - start) * row_bytes for _ in range(layers) for start, stop in spans]
         encoded = codec.encode(nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream))
