@@ -4,7 +4,7 @@ peer), and on the target's own regenerated replies; each served by vLLM's EAGLE-
 The two extractions (ours and the peer's) run on the same token ids in this one run, timed side by side.
 
     python bench/acceptance.py --model work/trained-target --out work/bench-acceptance --conversations 300 \\
-        --json bench/cpu-2026-12-01-acceptance/result.json
+        --prompts 16 --max-tokens 48 --json bench/cpu-2026-12-02-acceptance/bench.json
 
 --model: a trained target (`eagle-states make-demo-model DIR --train-steps 160`; built there when missing).
 The peer's path as speculators 0.9.0 runs it (`speculators generate-offline-data` against a vLLM server started
@@ -56,7 +56,8 @@ def main():
     ap.add_argument("--conversations", type=int, default=300)
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--dtype", default="float32", help="extraction and serving (float32 on a CPU: bf16 is emulated)")
-    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=3, help="at most; --max-steps stops every draft at the same step "
+                                                         "count (the regenerated replies are fewer tokens)")
     ap.add_argument("--max-steps", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -103,20 +104,28 @@ def main():
     peer = peer_export(args.model, out / "original" / "acceptance" / "export", peer_dir,
                        report["manifest_layer_ids"], args.dtype)
     peer_s = peer["seconds"]
-    train_draft(peer_dir, args.model, out / "peer" / "draft", recipe)
+
+    def trained(record: dict) -> dict:
+        return {"train_final_loss": record["final_loss"], "train_steps": record["steps"], "val": record["val"],
+                "trained_on_layer_ids": record["trained_on_layer_ids"]}
+    peer_trained = trained(train_draft(peer_dir, args.model, out / "peer" / "draft", recipe))
     rows["peer (speculators' data generation)"] = {
-        "draft": "peer", **measure_acceptance(args.model, out / "peer" / "draft", **serve).summary()}
+        "draft": "peer", **measure_acceptance(args.model, out / "peer" / "draft", **serve).summary(), **peer_trained}
 
     regenerated = params_for(args, out / "regenerated", enabled=True, max_new_tokens=args.max_new_tokens)
     stages.regenerate(regenerated)
     stages.extract(regenerated)
     assert stages.validate(regenerated).valid
     export_dataset(out / "regenerated" / "dataset", out / "regenerated" / "export", "speculators", progress=False)
-    train_draft(out / "regenerated" / "export", args.model, out / "regenerated" / "draft", recipe)
+    regenerated_trained = trained(train_draft(out / "regenerated" / "export", args.model,
+                                              out / "regenerated" / "draft", recipe))
     rows["regenerated replies"] = {
-        "draft": "regenerated", **measure_acceptance(args.model, out / "regenerated" / "draft", **serve).summary()}
+        "draft": "regenerated", **measure_acceptance(args.model, out / "regenerated" / "draft", **serve).summary(),
+        **regenerated_trained}
+    regenerated_tokens = json.loads((out / "regenerated" / "dataset" / "manifest.json").read_text())["num_tokens"]
 
-    result = {"model": str(args.model), "tokens": tokens, "recipe": report["recipe"], "prompts": len(prompts),
+    result = {"model": str(args.model), "tokens": tokens, "regenerated_tokens": regenerated_tokens,
+              "recipe": report["recipe"], "prompts": len(prompts),
               "extraction_s": {"eagle-states": round(ours_s, 2), "speculators (peer)": round(peer_s, 2)},
               "extraction_tokens_per_s": {"eagle-states": round(tokens / ours_s), "speculators (peer)":
                                           round(tokens / peer_s)},

@@ -48,7 +48,7 @@ def cmd_make_demo_model(args) -> int:
     shape = dict(seed=args.seed, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
                  num_heads=args.hidden // 64)
     if args.train_steps:
-        train_demo_model(Path(args.dir), steps=args.train_steps, **shape)
+        train_demo_model(Path(args.dir), steps=args.train_steps, recipe=args.recipe, **shape)
     else:
         make_demo_model(Path(args.dir), device=args.device, **shape)
     print(f"demo model written to {args.dir}" + (f" (trained {args.train_steps} steps)" if args.train_steps else ""))
@@ -310,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-steps", type=int, default=0,
                    help="train it this many steps on the demo conversations (seeded, deterministic; 160 take about "
                         "3 minutes on 2 cores), so that a draft has something to learn (default: random weights)")
+    p.add_argument("--recipe", choices=["chat", "recall"], default="chat",
+                   help="the conversations --train-steps trains on (eagle_states.demo.demo_conversations; default: "
+                        "%(default)s)")
     p.set_defaults(func=cmd_make_demo_model)
 
     p = sub.add_parser("run", help="the whole pipeline as a Prefect flow (ephemeral server unless one is set)")

@@ -35,9 +35,31 @@ _QUESTIONS = ["Can you tell me why {s} {v} {o}?", "What happens when {s} {v} {o}
               "How would you describe {o}?", "Summarize how {s} {v} {o}."]
 
 
-def demo_conversations(count: int = 64, seed: int = 0) -> list[dict]:
-    """Deterministic ShareGPT-style conversations of varied length, made by the project itself."""
+# The `recall` recipe's words: single tokens of the demo tokenizer (keys and values, two disjoint sets)
+_KEYS = ["river", "robot", "library", "village", "weather", "recipe", "train", "chess", "garden", "team", "compiler",
+         "neighbour", "home", "morning", "plan", "key", "rules", "idea", "winter", "stories", "answer", "test",
+         "night", "note"]
+_VALUES = ["explains", "changes", "remembers", "improves", "describes", "surprises", "follows", "builds", "simple",
+           "careful", "quiet", "small", "short", "missing", "helpful", "opening", "new", "old", "best", "long"]
+RECIPES = ("chat", "recall")
+
+
+def demo_conversations(count: int = 64, seed: int = 0, recipe: str = "chat") -> list[dict]:
+    """Deterministic ShareGPT-style conversations of varied length, made by the project itself.
+
+    recipe "chat" (the default): templated sentences, each word chosen at random: what a reply says next is
+    predictable from its last few tokens, so an EAGLE-3 draft needs nothing of the target's states.
+    recipe "recall": the user lists 6 to 16 pairs of words ("river quiet. chess builds. ...") and the reply
+    recites them: each word is known only by finding the one before it in the prompt and copying the next (an
+    induction head: two layers of the target; a one-layer draft can do it only through the target's states, which
+    say which word each position holds). Meant for `eagle-states acceptance`'s controls; the demo target at
+    8 x 256 (and 8 x 128) did not learn the copy in 300 (600) steps on this 2-core CPU (bench/RESULTS.md).
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}: one of {', '.join(RECIPES)}")
     rng = random.Random(seed)
+    if recipe == "recall":
+        return [_recall_conversation(rng, i) for i in range(count)]
 
     def sentence():
         return f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
@@ -53,6 +75,12 @@ def demo_conversations(count: int = 64, seed: int = 0) -> list[dict]:
             turns.append({"from": "gpt", "value": " ".join(sentence() for _ in range(rng.randint(1, 40)))})
         rows.append({"id": f"demo-{i:04d}", "conversations": turns})
     return rows
+
+
+def _recall_conversation(rng: random.Random, i: int) -> dict:
+    pairs = " ".join(f"{k} {v}." for k, v in zip(rng.sample(_KEYS, rng.randint(6, 16)), rng.sample(_VALUES, 16)))
+    return {"id": f"demo-{i:04d}", "conversations": [{"from": "human", "value": f"Remember: {pairs}"},
+                                                     {"from": "gpt", "value": f"I remember: {pairs}"}]}
 
 
 def _train_tokenizer(vocab_size: int, seed: int):
@@ -166,8 +194,8 @@ def save_bf16(model, out_dir: Path) -> None:
     config_path.write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
 
 
-def write_demo_conversations(path: Path, count: int = 64, seed: int = 0) -> Path:
+def write_demo_conversations(path: Path, count: int = 64, seed: int = 0, recipe: str = "chat") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in demo_conversations(count, seed)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in demo_conversations(count, seed, recipe)))
     return path

@@ -28,10 +28,10 @@ def _messages(row: dict) -> list[dict]:
 
 def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversations: int = 2000,
                      data_seed: int = 1, seq_len: int = 256, batch: int = 16, lr: float = 3e-3,
-                     **model_args) -> Path:
+                     recipe: str = "chat", **model_args) -> Path:
     """`make_demo_model(out_dir, seed=seed, **model_args)`, then `steps` steps of training on `conversations`
-    demo conversations of `data_seed` (another seed than the held-out prompts the acceptance uses); saved in
-    bf16 over the random weights, with TRAINING_FILE beside them."""
+    demo conversations of `data_seed` and `recipe` (`demo.demo_conversations`; another seed than the held-out
+    prompts the acceptance uses); saved in bf16 over the random weights, with TRAINING_FILE beside them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -41,7 +41,7 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
     started = time.monotonic()
     make_demo_model(out_dir, seed=seed, **model_args)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    ids = [t for row in demo_conversations(conversations, data_seed)
+    ids = [t for row in demo_conversations(conversations, data_seed, recipe)
            for t in tokenizer.apply_chat_template(_messages(row), tokenize=True, return_dict=False)]
     data = torch.tensor(ids, dtype=torch.long)
     blocks = data[: data.numel() // (seq_len + 1) * (seq_len + 1)].view(-1, seq_len + 1)
@@ -64,7 +64,7 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
             log.info("training the demo target: step %d/%d, loss %.3f", step + 1, steps, losses[-1])
     save_bf16(model, out_dir)
     (out_dir / TRAINING_FILE).write_text(json.dumps({
-        "steps": steps, "seed": seed, "conversations": conversations, "data_seed": data_seed, "seq_len": seq_len,
+        "steps": steps, "seed": seed, "recipe": recipe, "conversations": conversations, "data_seed": data_seed, "seq_len": seq_len,
         "batch": batch, "lr": lr, "tokens_seen": steps * batch * seq_len, "final_loss": losses[-1],
         "loss_every_10_steps": losses[::10], "seconds": round(time.monotonic() - started, 1)}, indent=2) + "\n")
     return out_dir

@@ -28,15 +28,19 @@ REPORT_FILE = "acceptance.json"
 
 def heldout_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
     """The opening turns (system and user, up to the first reply) of `count` demo conversations of `seed`, with the
-    chat template's generation prompt: prompts the drafts were not trained on when `seed` is not the dataset's."""
+    chat template's generation prompt: prompts the drafts were not trained on when `seed` is not the dataset's.
+    Of the recipe the target was trained on (its `target_training.json`; the default recipe without one)."""
     from transformers import AutoTokenizer
 
     from eagle_states.demo import demo_conversations
+    from eagle_states.demo_training import TRAINING_FILE
 
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = []
-    for row in demo_conversations(count, seed):
+    trained = Path(model_dir) / TRAINING_FILE
+    recipe = json.loads(trained.read_text()).get("recipe", "chat") if trained.exists() else "chat"
+    for row in demo_conversations(count, seed, recipe):
         opening = []
         for turn in row["conversations"]:
             if turn["from"] == "gpt":
