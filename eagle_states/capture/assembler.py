@@ -63,6 +63,8 @@ class Assembler:
         while True:
             item = self.work.get()
             try:
+                if isinstance(item, Step) and item.finish is not None:
+                    item = item.finish()  # its encode and copy, here rather than on the forward path
                 if self.failure is None:
                     self._handlers[type(item)](item)
             except BaseException as exc:  # reported to the driver on its next call

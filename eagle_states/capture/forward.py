@@ -226,6 +226,8 @@ class ForwardCapture:
     additions and hands the step (rows, token ids, positions, states) to `deliver`; on CUDA through one
     asynchronous device-to-host copy into a pinned block (`_to_host`), launched by `start_copy`."""
 
+    DEVICE_STEPS = 3  # nvcomp-ans steps on the device waiting for the assembler thread to encode them
+
     def __init__(self, runner, setup: p.Setup, writer: bool, deliver: Callable[[Step], None]):
         self.runner = runner
         self.layer_ids = setup.layer_ids
@@ -240,12 +242,17 @@ class ForwardCapture:
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
+        # nvcomp-ans encodes on its own stream, from the assembler thread (it waits for nvCOMP's output sizes);
+        # at most DEVICE_STEPS steps wait there on the device, then the forward pass waits
+        self.encode_stream = torch.cuda.Stream() if self.is_cuda else None
+        self.device_steps = threading.BoundedSemaphore(self.DEVICE_STEPS)
         self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens)
         self.pending_copy: _DeviceStep | None = None
         # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
         self.codec = Codec()
         self.nvcomp: NvcompStepEncoder | None = None  # made on the first nvcomp-ans step
         self.encode_timing: list = []  # (start, end, bytes) of step encodes not yet counted
+        self.timing_lock = threading.Lock()  # encodes run on the forward and the assembler threads
         self.device_encoded_bytes, self.device_encode_s = 0, 0.0
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         self.steps = 0
@@ -368,7 +375,13 @@ class ForwardCapture:
                     t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
             positions = step.positions.to("cpu", non_blocking=True)
             input_ids = step.input_ids.to("cpu", non_blocking=True)
-            if step.stacked is not None and step.codec.on_device:
+            deferred = step.stacked is not None and step.codec.name == "nvcomp-ans"
+            if deferred:
+                # nvCOMP's host API waits for its output sizes: that wait must not hold up the next forward pass
+                waited = time.monotonic()
+                self.device_steps.acquire()
+                self.pinned.wait_s += time.monotonic() - waited  # back-pressure, like a full pinned pool
+            elif step.stacked is not None and step.codec.on_device:
                 encoded = self._encode(step.stacked, step.spans, step.codec)
                 host, block = self._to_host(encoded.data, step.stacked)
                 states = encoded.host_rows(host, step.codec.name)
@@ -377,7 +390,28 @@ class ForwardCapture:
                 states = list(host.unbind(0))
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        self.deliver(Step(step.requests, positions, input_ids, states, block, copied))
+        if deferred:
+            self.deliver(Step(step.requests, positions, input_ids, None, None, copied,
+                              finish=lambda: self._finish_nvcomp(step, positions, input_ids, copied)))
+        else:
+            self.deliver(Step(step.requests, positions, input_ids, states, block, copied))
+
+    def _finish_nvcomp(self, step: _DeviceStep, positions: torch.Tensor, input_ids: torch.Tensor,
+                       copied: torch.cuda.Event) -> Step:
+        """An nvcomp-ans step encoded and copied to the host, in the assembler thread; `positions`, `input_ids`:
+        its host copies, which the forward thread queued (done once `copied` is)."""
+        try:
+            self.encode_stream.wait_event(step.computed)
+            step.stacked.record_stream(self.encode_stream)
+            with torch.cuda.stream(self.encode_stream):
+                encoded = self._encode(step.stacked, step.spans, step.codec)
+                host, block = self._to_host(encoded.data, step.stacked)
+                encoded_copied = torch.cuda.Event()
+                encoded_copied.record(self.encode_stream)
+            encoded_copied.synchronize()
+        finally:
+            self.device_steps.release()
+        return Step(step.requests, positions, input_ids, encoded.host_rows(host, step.codec.name), block, copied)
 
     def _encode(self, stacked: torch.Tensor, spans: list[tuple[int, int]], codec: Codec) -> EncodedStep:
         """A step codec on the step's states, where they are (on CUDA: queued on the copy stream, behind the step's
@@ -386,19 +420,21 @@ class ForwardCapture:
         if codec.name == "fp8-e4m3":
             encoded = fp8_encode_step(stacked)
         else:
-            self.nvcomp = self.nvcomp or NvcompStepEncoder(self.copy_stream)
+            self.nvcomp = self.nvcomp or NvcompStepEncoder(self.encode_stream)
             encoded = self.nvcomp(stacked, spans)
-        self.encode_timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
+        with self.timing_lock:
+            self.encode_timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
         return encoded
 
     def encode_seconds(self) -> tuple[int, float]:
         """(bytes, seconds) the step codecs took in so far (waits for the encodes still running)."""
-        for start, end, nbytes in self.encode_timing:
+        with self.timing_lock:
+            timing, self.encode_timing = self.encode_timing, []
+        for start, end, nbytes in timing:
             if self.is_cuda:
                 end.synchronize()
             self.device_encoded_bytes += nbytes
             self.device_encode_s += start.elapsed_time(end) / 1e3 if self.is_cuda else end - start
-        self.encode_timing.clear()
         return self.device_encoded_bytes, self.device_encode_s
 
     def _to_host(self, data: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, PinnedBlock]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -48,6 +48,9 @@ class Step:
     # that do not write
     block: PinnedBlock | None  # the pinned block `states` live in (CUDA)
     copied: torch.cuda.Event | None
+    # a step codec that waits for its own output (nvcomp-ans): the assembler runs this first, off the forward path;
+    # it returns the step with its states on the host
+    finish: Callable[[], "Step"] | None = None
 
 
 @dataclass(slots=True, eq=False)

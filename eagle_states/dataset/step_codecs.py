@@ -161,19 +161,28 @@ def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
                        stacked.dtype)
 
 
+def _aligned(sizes: list[int], align: int = 256) -> list[int]:
+    """Offsets of entries of these sizes laid end to end, each aligned (nvCOMP's buffers need aligned starts)."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // align) * align
+    return offsets + [at]
+
+
 class NvcompStepEncoder:
     """nvCOMP ANS on a step's (layer, span) buffers, in one batched call on `stream` (the capture's copy stream:
     it runs behind the step's own kernels, beside the next forward pass). One per capture: an nvCOMP codec is not
-    shared between threads."""
+    shared between threads. Input and output are carved from torch tensors (`as_arrays` with an offset table):
+    nvCOMP 6.0.0's own batch entries, taken through DLPack, corrupted the host heap (bench/RESULTS.md)."""
 
     def __init__(self, stream: torch.cuda.Stream):
         self.nvcomp = nvcomp_module()
         self.stream = stream
         self.codecs = {}
+        self.out = torch.empty(0, dtype=torch.uint8, device="cuda")  # reused: steps are encoded one at a time
 
     def __call__(self, stacked: torch.Tensor, spans: list[tuple[int, int]]) -> EncodedStep:
-        from torch.utils.dlpack import from_dlpack
-
         nvcomp = self.nvcomp
         layers, rows, width = stacked.shape
         data_type = NVCOMP_TYPES[stacked.dtype]
@@ -187,13 +196,14 @@ class NvcompStepEncoder:
         flat = stacked.reshape(-1).view(torch.float16 if stacked.element_size() == 2 else torch.float32)
         offsets = [(slot * rows + start) * row_bytes for slot in range(layers) for start, _ in spans]
         sizes = [(stop - start) * row_bytes for _ in range(layers) for start, stop in spans]
-        encoded = codec.encode(nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream))
-        stored = encoded.buffer_sizes  # waits for the encoder
-        parts = [from_dlpack(encoded[i].to_dlpack()).view(torch.uint8).reshape(-1)[:stored[i]]
-                 for i in range(len(stored))]
-        data = torch.cat(parts)
-        # nvCOMP's buffers go with `encoded` when this returns: the gather from them must have run by then
-        self.stream.synchronize()
+        room = [size + size // 4 + (1 << 20) for size in sizes]  # nvCOMP asks for 1.17 x on incompressible data
+        out_offsets = _aligned(room)
+        if self.out.numel() < out_offsets[-1]:
+            self.out = torch.empty(out_offsets[-1], dtype=torch.uint8, device=stacked.device)
+        out = nvcomp.as_arrays(self.out, out_offsets[:-1], room, cuda_stream=self.stream.cuda_stream)
+        codec.encode(nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream), out=out)
+        stored = out.buffer_sizes  # waits for the encoder
+        data = torch.cat([self.out[at:at + size] for at, size in zip(out_offsets, stored)])
         return EncodedStep(data, layers, rows, width, stacked.dtype, tuple(spans), tuple(stored))
 
 
@@ -209,9 +219,10 @@ def frame_fp8(pieces: list[Fp8Piece]) -> tuple[bytes, dict]:
 
 
 def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[bytes, dict]:
+    """A count, each buffer's stored and decoded size, then the buffers."""
     blobs = [p.blob.numpy().tobytes() for p in pieces]
-    head = struct.pack(f"<I{len(blobs)}Q", len(blobs), *(len(b) for b in blobs))
-    return head + b"".join(blobs), {}
+    sizes = [n for p, b in zip(pieces, blobs) for n in (len(b), p.rows * p.width * p.dtype.itemsize)]
+    return struct.pack(f"<I{len(sizes)}Q", len(blobs), *sizes) + b"".join(blobs), {}
 
 
 def decode_fp8(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -224,35 +235,45 @@ def decode_fp8(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torc
     return (codes.float() * scales[:, None]).to(dtype)
 
 
-def nvcomp_buffers(stored: np.ndarray) -> list[np.ndarray]:
-    """The nvCOMP buffers of a stored tensor (its framing checked against its length)."""
+def nvcomp_buffers(stored: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
+    """The nvCOMP buffers of a stored tensor and their decoded sizes (the frame checked against its length)."""
     if stored.nbytes < 4:
         raise ValueError("shorter than its frame")
     (count,) = struct.unpack_from("<I", stored)
-    head = 4 + 8 * count
+    head = 4 + 16 * count
     if stored.nbytes < head:
         raise ValueError(f"a frame of {count} buffers in {stored.nbytes:,} bytes")
-    sizes = struct.unpack_from(f"<{count}Q", stored, 4)
-    if head + sum(sizes) != stored.nbytes:
-        raise ValueError(f"buffers of {head + sum(sizes):,} bytes with their frame, {stored.nbytes:,} stored")
-    ends = np.cumsum([head, *sizes])
-    return [stored[ends[i]:ends[i + 1]] for i in range(count)]
+    sizes = struct.unpack_from(f"<{2 * count}Q", stored, 4)
+    lengths, decoded = list(sizes[0::2]), list(sizes[1::2])
+    if head + sum(lengths) != stored.nbytes:
+        raise ValueError(f"buffers of {head + sum(lengths):,} bytes with their frame, {stored.nbytes:,} stored")
+    ends = np.cumsum([head, *lengths])
+    return [stored[ends[i]:ends[i + 1]] for i in range(count)], decoded
 
 
 def decode_nvcomp(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Decoded on the CUDA device (nvCOMP's ANS has no host decoder)."""
-    from torch.utils.dlpack import from_dlpack
-
-    buffers = nvcomp_buffers(stored)
+    """Decoded on the CUDA device (nvCOMP's ANS has no host decoder), from and into torch tensors."""
+    buffers, decoded = nvcomp_buffers(stored)
+    out = torch.empty(shape, dtype=dtype)
+    if sum(decoded) != out.numel() * out.element_size():
+        raise ValueError(f"decodes to {sum(decoded):,} bytes, the shape {shape} needs "
+                         f"{out.numel() * out.element_size():,}")
     require_cuda_decoder("this tensor")
     nvcomp = nvcomp_module()
-    codec = nvcomp.Codec(algorithm="ANS")
-    decoded = codec.decode(nvcomp.as_arrays([b for b in buffers]).cuda())
-    parts = [from_dlpack(decoded[i].to_dlpack()).view(torch.uint8).reshape(-1) for i in range(len(buffers))]
-    flat = torch.cat(parts).cpu()
-    out = torch.empty(shape, dtype=dtype)
-    if flat.numel() != out.numel() * out.element_size():
-        raise ValueError(f"decodes to {flat.numel():,} bytes, the shape {shape} needs "
-                         f"{out.numel() * out.element_size():,}")
-    out.view(-1).view(torch.uint8).copy_(flat)
+    lengths = [b.nbytes for b in buffers]
+    src_offsets, out_offsets = _aligned(lengths), _aligned(decoded)
+    src = torch.zeros(src_offsets[-1], dtype=torch.uint8)
+    for at, buffer in zip(src_offsets, buffers):
+        src[at:at + buffer.nbytes] = torch.frombuffer(buffer, dtype=torch.uint8)
+    src = src.cuda()
+    dst = torch.empty(out_offsets[-1], dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    # decoded as the type it was encoded as (without it, ANS decodes the bytes as bytes: wrong values)
+    codec = nvcomp.Codec(algorithm="ANS", data_type=NVCOMP_TYPES[dtype], cuda_stream=stream)
+    result = nvcomp.as_arrays(dst, out_offsets[:-1], decoded, cuda_stream=stream)
+    codec.decode(nvcomp.as_arrays(src, src_offsets[:-1], lengths, cuda_stream=stream), out=result)
+    if list(result.buffer_sizes) != decoded:
+        raise ValueError(f"buffers decode to {list(result.buffer_sizes)} bytes, the frame says {decoded}")
+    flat = torch.cat([dst[at:at + size] for at, size in zip(out_offsets, decoded)]).cpu()
+    out.reshape(-1).view(torch.uint8).copy_(flat)
     return out

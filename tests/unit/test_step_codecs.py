@@ -100,12 +100,12 @@ def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device
     stored, extra = frame_nvcomp([NvcompPiece(torch.arange(10, dtype=torch.uint8), 3, 8, torch.bfloat16),
                                   NvcompPiece(torch.arange(7, dtype=torch.uint8), 2, 8, torch.bfloat16)])
     assert extra == {}
-    buffers = nvcomp_buffers(np.frombuffer(stored, dtype=np.uint8))
-    assert [b.tolist() for b in buffers] == [list(range(10)), list(range(7))]
+    buffers, decoded = nvcomp_buffers(np.frombuffer(stored, dtype=np.uint8))
+    assert [b.tolist() for b in buffers] == [list(range(10)), list(range(7))] and decoded == [3 * 8 * 2, 2 * 8 * 2]
     with pytest.raises(ValueError, match="buffers of"):
         nvcomp_buffers(np.frombuffer(stored[:-1], dtype=np.uint8))
     with pytest.raises(ValueError, match="frame of"):
         nvcomp_buffers(np.frombuffer(struct.pack("<I", 1000), dtype=np.uint8))
     if not torch.cuda.is_available():
         with pytest.raises(CodecUnavailable, match="CUDA device only"):
-            decode_nvcomp(np.frombuffer(stored, dtype=np.uint8), [5, 1], torch.bfloat16)
+            decode_nvcomp(np.frombuffer(stored, dtype=np.uint8), [5, 8], torch.bfloat16)
