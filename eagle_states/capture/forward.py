@@ -158,7 +158,7 @@ class _ForwardClock:
 
 class PinnedPool:
     """Pinned host blocks for steps in flight (CUDA), reused: pinning memory per step is slow. Taken by the forward
-    thread, given back by the assembler and the writers."""
+    thread (by the assembler for nvcomp-ans steps), given back by the assembler and the writers."""
 
     BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight; at least 4 steps
 
@@ -179,8 +179,10 @@ class PinnedPool:
             capacity = stacked[0, 0].numel() * stacked.element_size() * self.num_states * self.max_num_tokens
             capacity += capacity // 64 + (1 << 20)  # room for a step codec's framing on incompressible states
             limit = max(4, self.BUDGET_BYTES // capacity)
-            if self.allocated < limit:
-                self.allocated += 1
+            with self.lock:  # two threads may take blocks
+                allocate = self.allocated < limit
+                self.allocated += allocate
+            if allocate:
                 # a normal tensor even when taken in the forward pass (inference mode): a driver call (outside
                 # it) may copy the next step into it, which an inference tensor refuses
                 with torch.inference_mode(False):
