@@ -10,9 +10,10 @@ so a step codec must encode row spans independently:
   that how lossy it was is measured on the true states and recorded per tensor (validation sums it per layer).
   Stored: scales float32 [T], then e4m3 [T, H]. Read back in the dataset's dtype (bf16 on a GPU).
 * `nvcomp-ans` (lossless, CUDA only): nvCOMP's ANS on each (layer, span), typed as the states' float type
-  (`<f2` for bf16/fp16, `<f4` for fp32: ANS codes the exponent bytes' skew). Stored: a count, the size of each
-  nvCOMP buffer (native bitstream: its own header holds the decoded size) and the buffers. nvCOMP decodes on a
-  CUDA device only: a machine without one reads the exports made from such a dataset, not the dataset.
+  (`<f2` for bf16/fp16, `<f4` for fp32: ANS codes the exponent bytes' skew). Stored: a count, each nvCOMP
+  buffer's stored and decoded size, then the buffers (nvCOMP's native bitstream). nvCOMP decodes on a CUDA device
+  only: a machine without one reads the exports made from such a dataset, not the dataset. The buffers follow how
+  the scheduler split a sample into steps, so a shard computed again holds the same states in other bytes.
 """
 
 from __future__ import annotations
