@@ -31,13 +31,20 @@ log = logging.getLogger(__name__)
 
 
 # -- inputs ------------------------------------------------------------------------------------------------------
-def ensure_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> LayerSelection | None:
-    """Build the built-in demo model and conversations where the parameters ask for them and they are missing;
-    then check what needs no engine (`check_inputs`, whose layer selection is returned)."""
-    from eagle_states.demo import make_demo_model, write_demo_conversations
+def ensure_model(params: PipelineParams) -> None:
+    """The built-in demo model, built where the parameters ask for it and it is missing."""
+    from eagle_states.demo import make_demo_model
 
     if params.model.build_demo_if_missing and not (Path(params.model.path) / "config.json").exists():
         make_demo_model(Path(params.model.path))
+
+
+def ensure_inputs(params: PipelineParams, data: bool = True, layers: bool = True) -> LayerSelection | None:
+    """Build the built-in demo model and conversations where the parameters ask for them and they are missing;
+    then check what needs no engine (`check_inputs`, whose layer selection is returned)."""
+    from eagle_states.demo import write_demo_conversations
+
+    ensure_model(params)
     if data and params.data.build_demo_if_missing and not Path(params.data.path).exists():
         write_demo_conversations(Path(params.data.path))
     return check_inputs(params, data, layers)

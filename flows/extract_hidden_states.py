@@ -26,6 +26,7 @@ from eagle_states.dataset.output_lock import output_lock
 from eagle_states.extraction.driver import kept_shards_line
 from eagle_states.extraction.stream import ShardOutcome
 from eagle_states.run_report import render_markdown
+from eagle_states.stages import ensure_model
 from tasks.export import export_task
 from tasks.extract import extract_shard_task, finalize_dataset_task
 from tasks.prepare import prepare_task
@@ -72,6 +73,7 @@ def pipeline(params: PipelineParams, engine_factory: Callable[[EngineSettings], 
     with output_lock(Path(params.output.dir)), written_input, \
             stopping.on_stop(callback=report_stopped, describe=lambda: kept_shards_line(params.output.dir)):
         progress = create_progress_artifact(0.0, key="extraction-progress", description="checking finished shards")
+        ensure_model(params)  # the placement identifies the model (a deployment's run had no command line to build it)
         where = placement(params)  # once: the regeneration and the shards follow it
         prepared = regenerated = None
         with open_flow_engine(engine_factory, lambda state: update_progress_artifact(
