@@ -158,11 +158,12 @@ class Assembler:
         self.open_shards[call.path] = OpenShard(plan, future)
 
     def _end_shard(self, call: p.EndShard):
-        shard = self.open_shards.pop(call.path)
+        shard = self.open_shards[call.path]
         missing = [s for s in shard.plan.sample_ids if s not in self.captured]
-        if missing:
+        if missing:  # the shard stays open: `discard` waits for its writer before releasing its samples
             raise CaptureError(f"shard {Path(call.path).name}: {len(missing)} samples were not captured completely "
                                f"(first: {missing[:3]}; partial: {sorted(self.partial)[:3]})")
+        del self.open_shards[call.path]
         summary = {sid: self.captured.pop(sid) for sid in shard.plan.sample_ids}
         if self.shards is None:
             with self.sample_ready:
