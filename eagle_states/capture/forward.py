@@ -211,6 +211,46 @@ class PinnedPool:
                     self.free.put(block)
 
 
+class StepEncoding:
+    """The step codecs (`extract.codec` fp8-e4m3, nvcomp-ans) where a step's states are, before the copy, timed on
+    the device's timeline. nvcomp-ans runs on its own stream from the assembler thread (nvCOMP's host API waits for
+    its output sizes): at most DEVICE_STEPS steps wait for it on the device, then the forward pass waits."""
+
+    DEVICE_STEPS = 3
+
+    def __init__(self, clock: _ForwardClock, is_cuda: bool):
+        self.clock, self.is_cuda = clock, is_cuda
+        self.stream = torch.cuda.Stream() if is_cuda else None
+        self.device_steps = threading.BoundedSemaphore(self.DEVICE_STEPS)
+        self.nvcomp: NvcompStepEncoder | None = None  # made on the first nvcomp-ans step, in the thread using it
+        self.timing: list = []  # (start, end, bytes) of encodes not yet counted
+        self.lock = threading.Lock()  # encodes run on the forward and the assembler threads
+        self.encoded_bytes, self.encode_s = 0, 0.0
+
+    def encode(self, stacked: torch.Tensor, spans: list[tuple[int, int]], codec: Codec) -> EncodedStep:
+        """`stacked` encoded where it is (on CUDA: queued on the caller's stream, behind the step's kernels)."""
+        start = self.clock.mark()
+        if codec.name == "fp8-e4m3":
+            encoded = fp8_encode_step(stacked)
+        else:
+            self.nvcomp = self.nvcomp or NvcompStepEncoder(self.stream)
+            encoded = self.nvcomp(stacked, spans)
+        with self.lock:
+            self.timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
+        return encoded
+
+    def seconds(self) -> tuple[int, float]:
+        """(bytes, seconds) the step codecs took in so far (waits for the encodes still running)."""
+        with self.lock:
+            timing, self.timing = self.timing, []
+        for start, end, nbytes in timing:
+            if self.is_cuda:
+                end.synchronize()
+            self.encoded_bytes += nbytes
+            self.encode_s += start.elapsed_time(end) / 1e3 if self.is_cuda else end - start
+        return self.encoded_bytes, self.encode_s
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _DeviceStep:
     """A captured step on the device (CUDA), until `ForwardCapture.start_copy` moves it to the host."""
@@ -228,8 +268,6 @@ class ForwardCapture:
     additions and hands the step (rows, token ids, positions, states) to `deliver`; on CUDA through one
     asynchronous device-to-host copy into a pinned block (`_to_host`), launched by `start_copy`."""
 
-    DEVICE_STEPS = 3  # nvcomp-ans steps on the device waiting for the assembler thread to encode them
-
     def __init__(self, runner, setup: p.Setup, writer: bool, deliver: Callable[[Step], None]):
         self.runner = runner
         self.layer_ids = setup.layer_ids
@@ -244,22 +282,15 @@ class ForwardCapture:
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
-        # nvcomp-ans encodes on its own stream, from the assembler thread (it waits for nvCOMP's output sizes);
-        # at most DEVICE_STEPS steps wait there on the device, then the forward pass waits
-        self.encode_stream = torch.cuda.Stream() if self.is_cuda else None
-        self.device_steps = threading.BoundedSemaphore(self.DEVICE_STEPS)
         self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens)
         self.pending_copy: _DeviceStep | None = None
         # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
         self.codec = Codec()
-        self.nvcomp: NvcompStepEncoder | None = None  # made on the first nvcomp-ans step
-        self.encode_timing: list = []  # (start, end, bytes) of step encodes not yet counted
-        self.timing_lock = threading.Lock()  # encodes run on the forward and the assembler threads
-        self.device_encoded_bytes, self.device_encode_s = 0, 0.0
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         self.steps = 0
         self.last_hand_off = 0.0  # time.monotonic() of the last captured step
         self.clock = _ForwardClock(self.is_cuda)
+        self.encoding = StepEncoding(self.clock, self.is_cuda)
         self.handles = []
         self._hook(layers)
         self._wrap_forward()
@@ -350,7 +381,7 @@ class ForwardCapture:
                 if self.codec.name != "fp8-e4m3":
                     raise CaptureError(f"extract.codec {self.codec.name} encodes on a CUDA device; this engine "
                                        f"runs on {self.runner.device}")
-                encoded = self._encode(torch.stack(states), spans, self.codec)
+                encoded = self.encoding.encode(torch.stack(states), spans, self.codec)
                 states = encoded.host_rows(encoded.data, self.codec.name)
             self.deliver(Step(requests, positions, input_ids, states, block=None, copied=None))
             return
@@ -381,10 +412,10 @@ class ForwardCapture:
             if deferred:
                 # nvCOMP's host API waits for its output sizes: that wait must not hold up the next forward pass
                 waited = time.monotonic()
-                self.device_steps.acquire()
+                self.encoding.device_steps.acquire()
                 self.pinned.wait_s += time.monotonic() - waited  # back-pressure, like a full pinned pool
             elif step.stacked is not None and step.codec.on_device:
-                encoded = self._encode(step.stacked, step.spans, step.codec)
+                encoded = self.encoding.encode(step.stacked, step.spans, step.codec)
                 host, block = self._to_host(encoded.data, step.stacked)
                 states = encoded.host_rows(host, step.codec.name)
             elif step.stacked is not None:
@@ -403,41 +434,18 @@ class ForwardCapture:
         """An nvcomp-ans step encoded and copied to the host, in the assembler thread; `positions`, `input_ids`:
         its host copies, which the forward thread queued (done once `copied` is)."""
         try:
-            self.encode_stream.wait_event(step.computed)
-            step.stacked.record_stream(self.encode_stream)
-            with torch.cuda.stream(self.encode_stream):
-                encoded = self._encode(step.stacked, step.spans, step.codec)
+            stream = self.encoding.stream
+            stream.wait_event(step.computed)
+            step.stacked.record_stream(stream)
+            with torch.cuda.stream(stream):
+                encoded = self.encoding.encode(step.stacked, step.spans, step.codec)
                 host, block = self._to_host(encoded.data, step.stacked)
                 encoded_copied = torch.cuda.Event()
-                encoded_copied.record(self.encode_stream)
+                encoded_copied.record(stream)
             encoded_copied.synchronize()
         finally:
-            self.device_steps.release()
+            self.encoding.device_steps.release()
         return Step(step.requests, positions, input_ids, encoded.host_rows(host, step.codec.name), block, copied)
-
-    def _encode(self, stacked: torch.Tensor, spans: list[tuple[int, int]], codec: Codec) -> EncodedStep:
-        """A step codec on the step's states, where they are (on CUDA: queued on the copy stream, behind the step's
-        kernels; nvCOMP waits for its own output sizes), timed on the device's timeline."""
-        start = self.clock.mark()
-        if codec.name == "fp8-e4m3":
-            encoded = fp8_encode_step(stacked)
-        else:
-            self.nvcomp = self.nvcomp or NvcompStepEncoder(self.encode_stream)
-            encoded = self.nvcomp(stacked, spans)
-        with self.timing_lock:
-            self.encode_timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
-        return encoded
-
-    def encode_seconds(self) -> tuple[int, float]:
-        """(bytes, seconds) the step codecs took in so far (waits for the encodes still running)."""
-        with self.timing_lock:
-            timing, self.encode_timing = self.encode_timing, []
-        for start, end, nbytes in timing:
-            if self.is_cuda:
-                end.synchronize()
-            self.device_encoded_bytes += nbytes
-            self.device_encode_s += start.elapsed_time(end) / 1e3 if self.is_cuda else end - start
-        return self.device_encoded_bytes, self.device_encode_s
 
     def _to_host(self, data: torch.Tensor, stacked: torch.Tensor) -> tuple[torch.Tensor, PinnedBlock]:
         """The one place a step becomes its host copy: `data` (the stacked states, or what a step codec made of

@@ -92,7 +92,7 @@ class _Capture:
             last_hand_off=forward.last_hand_off, forwards=clock.forwards, forward_s=clock.forward_s,
             between_forwards_s=clock.between_s, encoded_bytes=self.shards.encoded_bytes if self.shards else 0,
             encode_s=self.shards.encode_s if self.shards else 0.0, **dict(zip(
-                ("device_encoded_bytes", "device_encode_s"), forward.encode_seconds())))
+                ("device_encoded_bytes", "device_encode_s"), forward.encoding.seconds())))
 
     def discard(self, call: p.Discard) -> p.Discarded:
         """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts
