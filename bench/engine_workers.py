@@ -122,7 +122,7 @@ def main():
                 stop(proc)
     rounds = [name for name in ("in-process", "one_worker", "two_workers", "one_worker_again")
               if name == "in-process" or f"{name}_s" in results]
-    shas = {name: [json.loads(p.read_text())["sha256"] for p in sorted((work / name / "receipts").glob("*.json"))]
+    shas = {name: [json.loads(p.read_text())["blake3"] for p in sorted((work / name / "receipts").glob("*.json"))]
             for name in rounds}  # the receipts' hashes, taken as each shard was written (--free-written empties them)
     one = (results["one_worker_s"] + results["one_worker_again_s"]) / 2
     summary = {**results, "worker_limit": args.worker_limit, "shards": args.shards, "tokens": tokens, "shard_tokens": args.shard_tokens,

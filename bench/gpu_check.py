@@ -81,10 +81,10 @@ def llama_check(work: Path, device: str, codec: str = "none") -> tuple[bool, str
     for shard in again:
         shard_path(work / "dataset", shard["name"]).unlink()
         receipt_path(work / "dataset", shard["name"]).unlink()
-    recomputed = {s["name"]: s["sha256"] for s in run_extraction(Extraction(params), progress=False,
+    recomputed = {s["name"]: s["blake3"] for s in run_extraction(Extraction(params), progress=False,
                                                                   engines=engines)["shards"]}
     engines.close()
-    changed = [s["name"] for s in again if recomputed[s["name"]] != s["sha256"]]
+    changed = [s["name"] for s in again if recomputed[s["name"]] != s["blake3"]]
     exact = load_hf(model, torch.float32).to(device)
     own = load_hf(model, torch.bfloat16).to(device)
     worst_ratio, failures = 0.0, 0

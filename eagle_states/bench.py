@@ -62,6 +62,42 @@ def free_disk_blocks(path: Path) -> None:
         os.close(fd)
 
 
+class TreeRss:
+    """Peak resident memory of this process and its children (vLLM's engine core, where the capture and its pinned
+    buffers live, is a child: `getrusage(RUSAGE_SELF)` never sees it), sampled every `interval` seconds."""
+
+    def __init__(self, interval: float = 0.05):
+        import threading
+
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="bench-rss", daemon=True)
+
+    def now(self) -> int:
+        import psutil
+
+        me = psutil.Process()
+        total = 0
+        for proc in (me, *me.children(recursive=True)):
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:  # a child that just ended
+                pass
+        self.peak = max(self.peak, total)
+        return total
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self.now()
+
+    def __enter__(self) -> "TreeRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def _peak_gpu_bytes() -> int | None:
     try:
         import torch
@@ -103,6 +139,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     extraction = extraction_of(source, out_dir / "dataset")
     engine = holder(extraction.engine_settings())
     engine_start_s = time.perf_counter() - started
+    rss = TreeRss().__enter__()
+    loaded_rss = rss.now()
     # Warm both paths on an eighth of the prompts (allocator, pinned host buffers, writer threads, page cache)
     # before anything is timed.
     engine.plain_prefill(prompts[: max(1, num_prompts // 8)])
@@ -208,6 +246,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             "drain_s", "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored",
             "encode_gb_s_per_writer", "encode_gb_s_device")}
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
+    rss.__exit__(None, None, None)
     return {
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
         "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype,
@@ -222,6 +261,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         "captures": captures,
         "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "loaded_tree_rss_gb": loaded_rss / 1e9, "peak_tree_rss_gb": rss.peak / 1e9,
+        "host_buffer_gb": e.host_buffer_gb,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
     }
 
@@ -255,7 +296,9 @@ def format_result(result: dict) -> str:
         ]
     lines += [
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s",
-        f"peak host RSS {result['peak_host_rss_gb']:.1f} GB"
+        f"host RSS of this process and the engine's: {result['loaded_tree_rss_gb']:.1f} GB with the model loaded, "
+        f"peak {result['peak_tree_rss_gb']:.1f} GB (extract.host_buffer_gb {result['host_buffer_gb']:g}); "
+        f"this process alone: peak {result['peak_host_rss_gb']:.1f} GB"
         + (f", peak GPU reserved {result['peak_gpu_reserved_gb']:.1f} GB" if result['peak_gpu_reserved_gb'] else ""),
         f"engine start {result['engine_start_s']:.1f} s",
     ]

@@ -256,6 +256,7 @@ def cmd_bench(args) -> int:
         "model.build_demo_if_missing": False, "extract.shard_max_tokens": args.shard_max_tokens,
         "extract.max_num_batched_tokens": args.max_num_batched_tokens, "extract.max_num_seqs": args.max_num_seqs,
         "extract.gpu_memory_utilization": args.gpu_memory_utilization, "extract.write_threads": args.write_threads,
+        "extract.host_buffer_gb": args.host_buffer_gb,
         "extract.codec_level": args.codec_level, "extract.codec_threads": args.codec_threads,
         "extract.max_model_len": args.prompt_len + 16, "prepare.max_length": args.prompt_len})
     result = run_benchmark(params, Path(args.bench_out), num_prompts=args.prompts, prompt_len=args.prompt_len,
@@ -449,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                             ("max_num_seqs", "requests per engine step"),
                             ("gpu_memory_utilization", "share of GPU (CPU build: host) memory for the engine"),
                             ("shard_max_tokens", "tokens per shard"), ("write_threads", "shard writer threads"),
+                            ("host_buffer_gb", "pinned host memory (GiB) for captured steps"),
                             ("codec_level", "the codec's level"),
                             ("codec_threads", "compression threads per shard writer")):
         p.add_argument("--" + name.replace("_", "-"), type=type(getattr(defaults, name)),

@@ -20,6 +20,7 @@ DEFAULT_PARAMS_FILE = Path("params.yaml")
 # What decides a shard's bytes besides its samples, the model and the capture code. The batching settings are
 # here because a step's composition changes the float results (to the bit); `max_model_len` (which rows are
 # accepted), `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
+# `host_buffer_gb`,
 # `data_parallel_size`, `gpu_ids` and `codec_threads` change where and how fast, not what. The codec and its
 # level decide the stored bytes (not the states they decode to). States captured while generating
 # (`regenerate.capture`) come from other batches than a prefill's, so they differ in the last bits.
@@ -91,6 +92,9 @@ class ExtractParams(_Section):
                             "in-process: always the flow run's own engine")
     gpu_ids: Optional[list[int]] = Field(None, description="GPUs to use, tensor_parallel_size per engine")
     write_threads: int = Field(4, ge=1, description="shard writer threads (4 kept the H200 disk busiest)")
+    host_buffer_gb: float = Field(8.0, gt=0, description="pinned host memory (GiB) for captured steps on their way "
+                                  "to the shard writers: the capture's host memory, whatever the samples' length; a "
+                                  "sample whose states cannot fit is refused before the model loads")
     codec: Literal[CODEC_NAMES] = Field(
         "none", description="how the hidden states are stored: none; blosc2-zstd, blosc2-lz4 (lossless, on the "
                             "host: byte shuffle, then zstd or lz4); nvcomp-ans (lossless, on the GPU before the copy; "

@@ -257,6 +257,7 @@ def open_extraction(params: PipelineParams) -> Extraction:
                              "with regenerate.capture the states are captured while regenerating: run "
                              "`eagle-states regenerate` (it generates and captures them again)")
     extraction.check_free_space()
+    extraction.check_host_buffer(extraction.unfinished())
     return extraction
 
 

@@ -20,8 +20,8 @@ from pandera.typing import Series
 
 from eagle_states.dataset import layout
 from eagle_states.dataset.codec import CorruptTensorError
-from eagle_states.dataset.files import (NotARegularFile, atomic_write_bytes, atomic_write_json, check_regular, hash_files,
-                                        hash_json, sha256_file)
+from eagle_states.dataset.files import (NotARegularFile, atomic_write_bytes, atomic_write_json, check_regular,
+                                        digest_matches, hash_files, hash_json, sha256_file)
 from eagle_states.dataset.layout import LAYER_SEMANTICS
 from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
 from eagle_states.dataset.prepared import SAMPLES_FILE, prepared_input_hash, read_sample_ids
@@ -71,7 +71,7 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
     bytes_read = 0
     for shard in manifest["shards"]:
         path = layout.manifest_shard_path(dataset_dir, shard)  # read_manifest refused any other path
-        row = {"shard": shard["name"], "exists": path.exists(), "readable": False, "sha256_matches": False,
+        row = {"shard": shard["name"], "exists": path.exists(), "readable": False, "digest_matches": False,
                "codec": "", "error": ""}
         shard_rows.append(row)
         if not row["exists"]:
@@ -83,7 +83,7 @@ def build_tables(dataset_dir: Path, manifest: dict, expected_ids: dict[str, str]
         except (ValueError, json.JSONDecodeError, safetensors.SafetensorError, NotARegularFile) as exc:
             row["error"] = str(exc)
             continue
-        row["sha256_matches"] = sha256_file(path) == shard["sha256"]
+        row["digest_matches"] = digest_matches(path, shard)
         bytes_read += path.stat().st_size
         for key in f.keys():
             info = f.info(key)  # as captured: a compressed tensor's logical dtype and shape, from the header
@@ -159,7 +159,7 @@ def schemas(manifest: dict, min_loss_tokens: int):
         shard: Series[str]
         exists: Series[bool] = pa.Field(eq=True)
         readable: Series[bool] = pa.Field(eq=True)
-        sha256_matches: Series[bool] = pa.Field(eq=True)
+        digest_matches: Series[bool] = pa.Field(eq=True)
         codec: Series[str] = pa.Field(eq=want_codec)  # the manifest's codec stored every shard
 
     class SampleSchema(_Coerced):

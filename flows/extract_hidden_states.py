@@ -20,7 +20,7 @@ from eagle_states.config import PipelineParams, load_params
 from eagle_states.coordination.placement import Placement, compute_on_workers, placement
 from eagle_states.coordination.records import JsonRecordSerializer, keep_run_records_in, results_storage
 from eagle_states.coordination.session import Session, extraction_session, open_flow_engine
-from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.files import recorded_digest, sha256_file
 from eagle_states.dataset.layout import MANIFEST_FILE
 from eagle_states.dataset.output_lock import output_lock
 from eagle_states.extraction.driver import kept_shards_line
@@ -121,7 +121,7 @@ def compute_shards(session: Session, where: Placement, progress) -> list[ShardOu
                     "serves %s with these settings)", params.extract.engine, params.model.path)
         return run_shards(session, params.output.prefect_results, progress)
     update_progress_artifact(progress, 0.0, description="shards on disk (engine workers)")
-    done = [ShardOutcome(s.name, r["sha256"], r["bytes"], len(r["samples"]),
+    done = [ShardOutcome(s.name, recorded_digest(r)[1], r["bytes"], len(r["samples"]),
                          sum(x["num_tokens"] for x in r["samples"]), False)
             for s in extraction.shards if (r := extraction.receipt(s)) is not None]
 

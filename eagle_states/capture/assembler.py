@@ -192,8 +192,8 @@ class Assembler:
             if shard.future is None:
                 done[path] = p.ShardReport(samples=shard.samples)
             elif wait or shard.future.done():
-                sha, size = shard.future.result()  # raises the writer's error
-                done[path] = p.ShardReport(samples=shard.samples, sha256=sha, bytes=size)
+                digest, size = shard.future.result()  # raises the writer's error
+                done[path] = p.ShardReport(samples=shard.samples, digest=digest, bytes=size)
             else:
                 continue
             del self.finished[path]

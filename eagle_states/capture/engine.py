@@ -47,6 +47,7 @@ class EngineSettings:
     gpu_memory_utilization: float
     tensor_parallel_size: int
     write_threads: int
+    host_buffer_bytes: int
     extra_engine_args: dict = field(default_factory=dict, hash=False)
 
 
@@ -61,7 +62,7 @@ class ShardJob:
 @dataclass
 class ShardResult:
     name: str
-    sha256: str
+    digest: str  # dataset.files.SHARD_DIGEST
     bytes: int
     num_tokens: dict[str, int]
     path: Path  # the shard's file (names repeat across datasets)
@@ -184,7 +185,8 @@ class CaptureEngine:
             worker_extension_cls=WORKER_EXTENSION, **engine_args)
         self.world_size = settings.tensor_parallel_size
         setup = self._rpc(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
-                                  hidden_size=settings.hidden_size, write_threads=settings.write_threads))
+                                  hidden_size=settings.hidden_size, write_threads=settings.write_threads,
+                                  host_buffer_bytes=settings.host_buffer_bytes))
         if not was_checked(setup.vllm_version):
             log.warning("vLLM %s was not checked with this capture (checked: %s); it runs, and its version is "
                         "recorded in the manifest. Check it on your GPU before trusting its datasets: python "
@@ -310,7 +312,7 @@ class CaptureEngine:
                 if seen != expected:
                     raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
                                        f"(tokens, ids crc) = {seen}, the prompt is {expected}")
-            yield ShardResult(job.name, report.sha256, report.bytes,
+            yield ShardResult(job.name, report.digest, report.bytes,
                               {s.sample_id: len(s.input_ids) for s in job.samples}, job.path)
 
     def generate(self, requests: Iterable[Generation], on_generated: Callable[[Generated | None], FollowUp]

@@ -35,7 +35,7 @@ import torch
 
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture import protocol as p
-from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest
+from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest, pinned_blocks
 from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
                                            UnsupportedRunnerError)
 from eagle_states.dataset.codec import Codec
@@ -160,10 +160,8 @@ class PinnedPool:
     """Pinned host blocks for steps in flight (CUDA), reused: pinning memory per step is slow. Taken by the forward
     thread (by the assembler for nvcomp-ans steps), given back by the assembler and the writers."""
 
-    BUDGET_BYTES = 8 << 30  # pinned host memory for steps in flight; at least 4 steps
-
-    def __init__(self, num_states: int, max_num_tokens: int):
-        self.num_states, self.max_num_tokens = num_states, max_num_tokens
+    def __init__(self, num_states: int, max_num_tokens: int, budget_bytes: int):
+        self.num_states, self.max_num_tokens, self.budget_bytes = num_states, max_num_tokens, budget_bytes
         self.free: queue.Queue[PinnedBlock] = queue.Queue()
         self.allocated = 0
         self.lock = threading.Lock()
@@ -176,9 +174,8 @@ class PinnedPool:
         try:
             block = self.free.get_nowait()
         except queue.Empty:
-            capacity = stacked[0, 0].numel() * stacked.element_size() * self.num_states * self.max_num_tokens
-            capacity += capacity // 64 + (1 << 20)  # room for a step codec's framing on incompressible states
-            limit = max(4, self.BUDGET_BYTES // capacity)
+            row_bytes = stacked[0, 0].numel() * stacked.element_size() * self.num_states
+            capacity, limit = pinned_blocks(self.budget_bytes, row_bytes, self.max_num_tokens)
             with self.lock:  # two threads may take blocks
                 allocate = self.allocated < limit
                 self.allocated += allocate
@@ -282,7 +279,7 @@ class ForwardCapture:
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
-        self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens)
+        self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens, setup.host_buffer_bytes)
         self.pending_copy: _DeviceStep | None = None
         # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
         self.codec = Codec()

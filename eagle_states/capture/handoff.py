@@ -15,6 +15,20 @@ if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
 
 
+def pinned_blocks(budget_bytes: int, row_bytes: int, max_num_tokens: int) -> tuple[int, int]:
+    """(bytes per block, blocks) of the pinned pool: a block holds one step of `max_num_tokens` rows of
+    `row_bytes` (every captured layer) with room for a step codec's framing; at least 4 blocks."""
+    capacity = row_bytes * max_num_tokens
+    capacity += capacity // 64 + (1 << 20)  # a step codec's framing on incompressible states
+    return capacity, max(4, budget_bytes // capacity)
+
+
+def blocks_held(num_tokens: int, max_num_tokens: int) -> int:
+    """The pinned blocks a sample of `num_tokens` prompt rows can hold at once while it is captured: every step
+    its rows span (it is written once complete), and the next step's."""
+    return -(-num_tokens // max_num_tokens) + 2
+
+
 @dataclass(slots=True, eq=False)
 class PinnedBlock:
     """A pinned host buffer holding one step's states; back in the pool once every sample using it is written."""
@@ -89,7 +103,7 @@ class ShardPlan:
 class OpenShard:
     """A shard between its begin and end markers."""
     plan: ShardPlan
-    future: Future | None  # its writer's (sha256, bytes); None on ranks that do not write
+    future: Future | None  # its writer's (digest, bytes); None on ranks that do not write
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -41,6 +41,7 @@ class Setup(Message):
     num_layers: int
     hidden_size: int
     write_threads: int
+    host_buffer_bytes: int  # the pinned pool's budget (CUDA)
 
 
 class BeginShard(Message):
@@ -101,9 +102,9 @@ class GenerationQueued(Message):
 
 class ShardReport(Message):
     """What a rank captured of a shard: sample id -> (tokens, crc32 of the int32 token ids); the writer rank
-    adds the file's sha256 and size."""
+    adds the file's digest (`dataset.files.SHARD_DIGEST`) and size."""
     samples: dict[str, tuple[int, int]]
-    sha256: str | None = None
+    digest: str | None = None
     bytes: int | None = None
 
 
@@ -179,7 +180,7 @@ def check_shard_agreement(reports: dict[int, ShardReport], world_size: int, shar
     report. `reports` maps rank -> that rank's report of the shard."""
     if sorted(reports) != list(range(world_size)):
         raise CaptureError(f"shard {shard}: reports from ranks {sorted(reports)}, expected 0..{world_size - 1}")
-    writer = [r for r, rep in reports.items() if rep.sha256 is not None]
+    writer = [r for r, rep in reports.items() if rep.digest is not None]
     if len(writer) != 1:
         raise CaptureError(f"shard {shard}: {len(writer)} ranks report a written file, expected exactly one")
     expected = reports[writer[0]].samples

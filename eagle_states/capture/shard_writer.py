@@ -34,7 +34,7 @@ class ShardWriter:
 
     def submit(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> Future:
         """Start writing a shard whose samples `take` hands over as they are complete; waits (the assembler) while
-        `write_threads + 1` shards are held for writing. The future gives the file's (sha256, bytes)."""
+        `write_threads + 1` shards are held for writing. The future gives the file's (digest, bytes)."""
         self.write_slots.acquire()
         return self.pool.submit(self._write_shard, path, plan, take)
 
@@ -60,7 +60,7 @@ class ShardWriter:
                     self.encode_s += out.encode_s
             finally:
                 first.forget(self.pinned)  # a no-op once written; gives it back when the file could not be opened
-            return out.sha256, out.size
+            return out.digest, out.size
         except OSError as exc:
             if exc.filename is None:  # "No space left on device" names no file; the user needs to know which disk
                 raise OSError(exc.errno, exc.strerror, path) from exc

@@ -33,6 +33,7 @@ from eagle_states.coordination.loading import LoadingAnnouncement
 from eagle_states.coordination.records import results_storage
 from eagle_states.coordination.worker_tasks import regeneration_task, shard_task
 from eagle_states.dataset import layout
+from eagle_states.dataset.files import recorded_digest
 from eagle_states.extraction.driver import CaptureConfig, Extraction
 
 log = logging.getLogger("eagle_states.engine_worker")
@@ -77,7 +78,7 @@ class EngineWorker:
         tokens = sum(s["num_tokens"] for s in receipt["samples"])
         get_run_logger().info("%s of %s %s on %s (devices %s): %d tokens in %.2f s", shard_name, extraction.out,
                  "computed" if computed else "found finished", socket.gethostname(), self.devices, tokens, seconds)
-        return {"shard": shard_name, "sha256": receipt["sha256"], "bytes": receipt["bytes"],
+        return {"shard": shard_name, "digest": recorded_digest(receipt)[1], "bytes": receipt["bytes"],
                 "num_samples": len(receipt["samples"]), "num_tokens": tokens, "computed": computed,
                 "worker": worker_id(), "host": socket.gethostname(), "devices": self.devices, "seconds": seconds}
 

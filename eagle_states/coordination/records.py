@@ -151,6 +151,9 @@ def _decode_allowed(obj: dict) -> Any:
     if "__class__" not in obj and "__exc_type__" not in obj:
         return obj
     if obj.get("__class__") == _SHARD_OUTCOME:
-        return ShardOutcome(**obj["data"])
+        data = dict(obj["data"])
+        if "sha256" in data:  # stored before shard digests were BLAKE3 (2026-12-02): the same field
+            data["digest"] = data.pop("sha256")
+        return ShardOutcome(**data)
     raise UnsafeRecord(f"a stored record asks for {obj.get('__class__') or obj.get('__exc_type__')!r}; only "
                        f"{_SHARD_OUTCOME} is decoded")

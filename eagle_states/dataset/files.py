@@ -285,6 +285,48 @@ def sha256_file(path: Path, block: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+# A shard file's digest, as receipts, the index and the manifest record it: {"blake3": hex}. BLAKE3 rather than
+# sha256 since 2026-12-02: a writer thread hashes a shard at 3.5 x sha256's rate (5.1 against 1.46 GB/s here) and
+# a reader hashes one file on every core; each shard's whole-file sha256 was the capture's largest host cost.
+# Records made before say {"sha256": hex} and are checked as such: a finished shard stays finished.
+SHARD_DIGEST = "blake3"
+SHARD_DIGESTS = (SHARD_DIGEST, "sha256")
+
+
+def shard_hasher():
+    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`); one thread."""
+    import blake3
+
+    return blake3.blake3()
+
+
+def file_digest(path: Path, algorithm: str = SHARD_DIGEST, block: int = 64 << 20) -> str:
+    """A file's digest, read through `open_regular`; BLAKE3 hashes each block on every core."""
+    if algorithm == "sha256":
+        return sha256_file(path)
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with open_regular(path) as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def recorded_digest(record: dict) -> tuple[str, str]:
+    """(algorithm, hex) of a receipt's or a manifest shard entry's digest."""
+    for algorithm in SHARD_DIGESTS:
+        if isinstance(record.get(algorithm), str):
+            return algorithm, record[algorithm]
+    raise KeyError(f"no digest ({' or '.join(SHARD_DIGESTS)}) in {sorted(record)}")
+
+
+def digest_matches(path: Path, record: dict) -> bool:
+    """Whether the file at `path` still has the digest `record` (a receipt, a manifest shard entry) holds."""
+    algorithm, expected = recorded_digest(record)
+    return file_digest(path, algorithm) == expected
+
+
 def hash_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 

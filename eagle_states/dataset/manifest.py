@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle_states.dataset.files import read_regular
+from eagle_states.dataset.files import SHARD_DIGESTS, read_regular, recorded_digest
 from eagle_states.dataset.layout import (FORMAT_NAME, FORMAT_VERSION, LAYER_SEMANTICS, MANIFEST_FILE, LayerSelection,
                                          OutsideDataset, manifest_shard_path)
 
@@ -14,7 +14,7 @@ from eagle_states.dataset.layout import (FORMAT_NAME, FORMAT_VERSION, LAYER_SEMA
 def build_manifest(*, layers: LayerSelection, model: dict, dtype: str, shards: list[dict], num_samples: int,
                    num_tokens: int, num_loss_tokens: int, input_sha256: str, codec: dict, versions: dict,
                    extra: dict | None = None) -> dict:
-    """`shards`: [{name, file, sha256, bytes, num_samples, num_tokens}], in shard order; `codec`: how the hidden
+    """`shards`: [{name, file, blake3 (sha256 before 2026-12-02), bytes, num_samples, num_tokens}], in shard order; `codec`: how the hidden
     states are stored (`codec.Codec.record()`; a dataset from before codecs has none, which reads as "none")."""
     return {
         "format": FORMAT_NAME,
@@ -45,7 +45,7 @@ class BadManifest(ValueError):
 _REQUIRED = {"layer_ids": list, "model": dict, "hidden_size": int, "dtype": str, "num_samples": int,
              "num_tokens": int, "num_loss_tokens": int, "shards": list, "versions": dict}
 _REQUIRED_MODEL = {"num_layers": int, "vocab_size": int}
-_REQUIRED_SHARD = {"name": str, "file": str, "sha256": str, "bytes": int}
+_REQUIRED_SHARD = {"name": str, "file": str, "bytes": int}
 
 
 def read_manifest(dataset_dir: Path) -> dict:
@@ -68,6 +68,10 @@ def read_manifest(dataset_dir: Path) -> dict:
         if not isinstance(shard, dict):
             raise BadManifest(f"{path}: shards[{i}] is not an object")
         _check_fields(path, f"shards[{i}].", shard, _REQUIRED_SHARD)
+        try:
+            recorded_digest(shard)
+        except KeyError:
+            raise BadManifest(f"{path}: shards[{i}] has no digest ({' or '.join(SHARD_DIGESTS)})") from None
         try:
             manifest_shard_path(Path(dataset_dir), shard)
         except OutsideDataset as exc:

@@ -11,7 +11,7 @@ import torch
 
 from eagle_states.dataset.layout import (INDEX_FILE, LayerSelection, key_hidden_state, key_input_ids, key_loss_mask,
                                          shard_path)
-from eagle_states.dataset.files import check_regular, sha256_file
+from eagle_states.dataset.files import check_regular, digest_matches
 from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
 from eagle_states.dataset.shard_file import ShardReader
 from eagle_states.dataset.step_codecs import require_cuda_decoder
@@ -51,12 +51,12 @@ class Dataset:
         self._verified: set[str] = set()
 
     def _open(self, shard: str) -> ShardReader:
-        """A shard's reader, once its file has been checked against the manifest's sha256 (once per shard and
+        """A shard's reader, once its file has been checked against the manifest's digest (once per shard and
         Dataset): a shard that changed since it was written is refused, whatever a validation record says."""
         path = shard_path(self.dir, shard)
         if shard not in self._verified:
-            if sha256_file(path) != self._entries[shard]["sha256"]:
-                raise ChangedShard(f"{path}: its sha256 is not the manifest's: the file changed after it was "
+            if not digest_matches(path, self._entries[shard]):
+                raise ChangedShard(f"{path}: its digest is not the manifest's: the file changed after it was "
                                    "written; refused (extract again to recompute it)")
             self._verified.add(shard)
         return ShardReader(path, self.threads)

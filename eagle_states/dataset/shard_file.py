@@ -5,7 +5,6 @@ manifest."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle_states.dataset.codec import Codec, CorruptTensorError, decode, encoded_entry, header_metadata, read_header_metadata
-from eagle_states.dataset.files import atomic_file, check_regular, open_regular
+from eagle_states.dataset.files import atomic_file, check_regular, open_regular, shard_hasher
 from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, key_hidden_state, key_input_ids, key_loss_mask
 
 # torch dtype -> (safetensors code, the manifest's name)
@@ -51,7 +50,8 @@ class ShardFileWriter:
     in the file, never in memory) and hashed while a helper thread writes them past the page cache (`DirectFile`,
     where the filesystem allows; hashing and writing both release the GIL, so a shard takes as long as the slower
     of the two). Atomic: temp file, fsync, rename; an exception
-    or an incomplete shard leaves nothing under `path`. After the `with` block: `sha256` and `size`.
+    or an incomplete shard leaves nothing under `path`. After the `with` block: `digest` (`files.SHARD_DIGEST`) and
+    `size`.
 
     With a codec (`codec.Codec`), each hidden state is compressed in the calling (writer) thread as it arrives and
     kept compressed until the shard's last tensor; then the header, which needs the compressed sizes, and the
@@ -64,7 +64,7 @@ class ShardFileWriter:
         self.nbytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
         self.dtypes = {name: specs[name][0] for name in self.order}
         self.size: int | None = None  # set with the header
-        self.sha256: str | None = None
+        self.digest: str | None = None
         self.header = None if codec.enabled else self._header({name: None for name in self.order})
         # with a codec, the stored sizes are known only once compressed: the tensors are kept (compressed) until
         # the last one, then the header and they are written
@@ -96,14 +96,14 @@ class ShardFileWriter:
         self._stack = contextlib.ExitStack()
         self._file = self._stack.enter_context(atomic_file(self.path, direct=True))
         self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
-        self._writes, self._digest, self._next = [], hashlib.sha256(), 0
+        self._writes, self._hasher, self._next = [], shard_hasher(), 0
         if self.header is not None:
             self._put(self.header)
         return self
 
     def _put(self, data) -> None:
         self._writes.append(self._io.submit(self._file.write, data))  # in order: one thread
-        self._digest.update(data)
+        self._hasher.update(data)
 
     def write(self, name: str, pieces: list[torch.Tensor]) -> None:
         """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written.
@@ -153,7 +153,7 @@ class ShardFileWriter:
                             self._put(chunk)
                 for write in self._writes:
                     write.result()
-                self.sha256 = self._digest.hexdigest()
+                self.digest = self._hasher.hexdigest()
             except BaseException as error:
                 failure = error
                 exc_type, exc, tb = type(error), error, error.__traceback__
@@ -172,14 +172,14 @@ def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Te
                      codec: Codec = Codec()) -> tuple[str, int]:
     """A whole shard from tensors in memory (a value may be a list of pieces, stored as their concatenation along
     dim 0). Keys in sorted order with one metadata entry, so the same tensors give the same bytes.
-    Returns (sha256, size in bytes)."""
+    Returns (digest, size in bytes)."""
     pieces = {name: t if isinstance(t, list) else [t] for name, t in tensors.items()}
     specs = {name: (p[0].dtype, [sum(x.shape[0] for x in p), *p[0].shape[1:]] if p[0].dim() else [])
              for name, p in pieces.items()}
     with ShardFileWriter(path, specs, codec) as out:
         for name in out.order:
             out.write(name, pieces[name])
-    return out.sha256, out.size
+    return out.digest, out.size
 
 
 

@@ -1,7 +1,7 @@
 """Extraction driver: read prompts, plan shards, skip finished ones, capture the rest, write index and manifest.
 
 A shard is finished when its receipt names the same config hash and content hash (what its shard key is made of)
-and its file still has the recorded sha256; only unfinished shards reach the engine, and the engine is created only
+and its file still has the recorded digest; only unfinished shards reach the engine, and the engine is created only
 if there are any.
 """
 
@@ -19,12 +19,13 @@ from typing import Callable
 
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings, ShardJob, ShardResult
+from eagle_states.capture.handoff import blocks_held, pinned_blocks
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.capture_format import CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION
 from eagle_states.dataset.codec import Codec
-from eagle_states.dataset.files import (atomic_write_bytes, atomic_write_json, fsync_path, hash_json, json_bytes,
-                                        sha256_file)
+from eagle_states.dataset.files import (SHARD_DIGEST, atomic_write_bytes, atomic_write_json, digest_matches,
+                                        fsync_path, hash_json, json_bytes, recorded_digest)
 from eagle_states.dataset.identity import model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
@@ -74,6 +75,10 @@ class PlannedShard:
 
 class NoRoomError(OSError):
     """The output's disk does not have room for the unfinished shards."""
+
+
+class HostBufferTooSmall(ValueError):
+    """A sample's states cannot fit the capture's host buffer (`extract.host_buffer_gb`)."""
 
 
 class DatasetExists(ValueError):
@@ -198,7 +203,7 @@ class CaptureConfig:
     def write_receipt(self, shard: PlannedShard, result: ShardResult) -> dict:
         """The receipt that marks a shard finished (its file's hash and size, the keys it was made under)."""
         receipt = {
-            "shard": shard.name, "sha256": result.sha256, "bytes": result.bytes, "config_hash": self.config_hash,
+            "shard": shard.name, SHARD_DIGEST: result.digest, "bytes": result.bytes, "config_hash": self.config_hash,
             "content_hash": shard.content_hash, "engine": engine_versions(),
             "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
                          "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
@@ -216,7 +221,8 @@ class CaptureConfig:
                               dtype=self.dtype, max_model_len=e.max_model_len,
                               max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                               gpu_memory_utilization=e.gpu_memory_utilization,
-                              tensor_parallel_size=e.tensor_parallel_size, write_threads=e.write_threads)
+                              tensor_parallel_size=e.tensor_parallel_size, write_threads=e.write_threads,
+                              host_buffer_bytes=int(e.host_buffer_gb * 2**30))
 
 
 class Extraction(CaptureConfig):
@@ -273,7 +279,7 @@ class Extraction(CaptureConfig):
             return None
         if receipt.get("config_hash") not in self.accepted_config_hashes or receipt.get("content_hash") != shard.content_hash:
             return None
-        if not file.exists() or file.stat().st_size != receipt["bytes"] or sha256_file(file) != receipt["sha256"]:
+        if not file.exists() or file.stat().st_size != receipt["bytes"] or not digest_matches(file, receipt):
             self.damaged.add(shard.name)  # finished once, lost or changed since: counted apart when rewritten
             return None
         self._intact[shard.name] = receipt
@@ -317,6 +323,24 @@ class Extraction(CaptureConfig):
             return
         raise NoRoomError(errno.ENOSPC, message)
 
+    def check_host_buffer(self, shards: list[PlannedShard]) -> None:
+        """Refuse, before any model load, a sample whose states cannot fit the capture's host buffer: its steps
+        are held there from its first to its last (its shard is written sample by sample), so the capture
+        would wait forever for room. Host memory is the setting's, whatever the samples' length."""
+        e = self.params.extract
+        row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
+        block, blocks = pinned_blocks(int(e.host_buffer_gb * 2**30), row_bytes, e.max_num_batched_tokens)
+        longest = max((s for shard in shards for s in shard.samples), key=lambda s: len(s.input_ids), default=None)
+        if longest is None or blocks_held(len(longest.input_ids), e.max_num_batched_tokens) <= blocks:
+            return
+        needed = blocks_held(len(longest.input_ids), e.max_num_batched_tokens) * block / 2**30
+        raise HostBufferTooSmall(
+            f"sample {longest.sample_id} (input row {longest.source_row}): {len(longest.input_ids):,} tokens x "
+            f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
+            f"capture's host buffer until its last step, in steps of {e.max_num_batched_tokens:,} tokens: it needs "
+            f"{needed:.3g} GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}; raise it, or lower "
+            "prepare.max_length")
+
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)
 
@@ -348,6 +372,7 @@ class Extraction(CaptureConfig):
             if shard not in todo and on_shard:
                 on_shard(shard, True)
         if todo:
+            self.check_host_buffer(todo)
             by_name = {s.name: s for s in todo}
             for result in get_engine(self.engine_settings()).extract([self.job(s) for s in todo]):
                 self.record(by_name[result.name], result)
@@ -383,7 +408,7 @@ class Extraction(CaptureConfig):
         manifest = build_manifest(
             layers=self.layers, model=self.model, dtype=self.dtype,
             shards=[{"name": r["shard"], "file": layout.shard_file_entry(r["shard"]),
-                     "sha256": r["sha256"], "bytes": r["bytes"], "num_samples": len(r["samples"]),
+                     **dict([recorded_digest(r)]), "bytes": r["bytes"], "num_samples": len(r["samples"]),
                      "num_tokens": sum(s["num_tokens"] for s in r["samples"])} for r in receipts],
             num_samples=len(index), num_tokens=int(index["num_tokens"].sum()),
             num_loss_tokens=int(index["num_loss_tokens"].sum()), input_sha256=input_hash(self.samples),

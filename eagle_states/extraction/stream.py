@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from eagle_states.capture.engine import EngineHolder
+from eagle_states.dataset.files import recorded_digest
 from eagle_states.extraction.driver import Extraction
 
 log = logging.getLogger(__name__)
@@ -15,7 +16,7 @@ log = logging.getLogger(__name__)
 class ShardOutcome:
     """What a shard task returns (and Prefect stores): small, paths and hashes only."""
     shard: str
-    sha256: str
+    digest: str  # the shard file's, as its receipt records it
     bytes: int
     num_samples: int
     num_tokens: int
@@ -63,7 +64,7 @@ class ShardStream:
         if receipt is None:
             raise RuntimeError(f"shard {shard_name}: the engine pass ended without writing it")
         computed = shard_name in self.computed
-        return ShardOutcome(shard.name, receipt["sha256"], receipt["bytes"], len(receipt["samples"]),
+        return ShardOutcome(shard.name, recorded_digest(receipt)[1], receipt["bytes"], len(receipt["samples"]),
                             sum(s["num_tokens"] for s in receipt["samples"]), computed,
                             computed and shard_name in extraction.damaged)
 

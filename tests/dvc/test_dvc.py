@@ -28,7 +28,7 @@ def sh(*args, cwd, check=True, env=None):
 
 
 def shard_hashes(dataset: Path) -> dict:
-    return {s["name"]: s["sha256"] for s in json.loads((dataset / "manifest.json").read_text())["shards"]}
+    return {s["name"]: s["blake3"] for s in json.loads((dataset / "manifest.json").read_text())["shards"]}
 
 
 @pytest.fixture(scope="module")

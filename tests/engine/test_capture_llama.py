@@ -12,7 +12,7 @@ import torch
 from eagle_states.capture import protocol as p
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.capture.protocol import SAMPLE_ID_KEY
-from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.files import file_digest
 from eagle_states.dataset.layout import LAYER_SEMANTICS, MANIFEST_FILE, shard_path
 from eagle_states.dataset.reader import Dataset
 from eagle_states.extraction.driver import Extraction, run_extraction
@@ -144,7 +144,7 @@ def test_a_shard_given_up_half_way_leaves_no_file_and_a_clean_engine(tmp_path, l
                         SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "b"}), use_tqdm=False)
     engine._rpc(p.EndShard(path=str(again)))
     report = engine._rpc(p.Poll(wait=True)).shards[str(again)]
-    assert report.sha256 == sha256_file(again) and report.samples["b"][0] == 30
+    assert report.digest == file_digest(again) and report.samples["b"][0] == 30
     from safetensors.torch import load_file
 
     tensors = load_file(again)
@@ -169,7 +169,7 @@ def test_rerun_resumes_only_unfinished_shards(tmp_path, llama_model, engines, pr
     computed = []
     after = extraction.run(engines, lambda shard, cached: computed.append(shard.name) if not cached else None)
     assert computed == ["shard-00001", "shard-00002"]
-    assert [s["sha256"] for s in after["shards"]] == [s["sha256"] for s in before["shards"]]
+    assert [s["blake3"] for s in after["shards"]] == [s["blake3"] for s in before["shards"]]
     assert after == before
 
 

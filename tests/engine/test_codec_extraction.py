@@ -11,7 +11,7 @@ import torch
 
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.dataset.codec import CorruptTensorError
-from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.files import file_digest
 from eagle_states.dataset.layout import shard_path
 from eagle_states.dataset.manifest import read_manifest
 from eagle_states.dataset.reader import Dataset
@@ -89,7 +89,7 @@ def test_a_flipped_byte_in_a_compressed_block_is_named_by_validation_and_refused
     data[8 + int.from_bytes(data[:8], "little") + (begin + end) // 2] ^= 0x10
     shard.write_bytes(data)
     manifest = json.loads((packed / "manifest.json").read_text())
-    manifest["shards"][0]["sha256"] = sha256_file(shard)  # even with the manifest's hash in step
+    manifest["shards"][0]["blake3"] = file_digest(shard)  # even with the manifest's hash in step
     (packed / "manifest.json").write_text(json.dumps(manifest))
     result = validate_dataset(packed)
     assert not result.valid
@@ -130,16 +130,16 @@ def test_exports_of_a_compressed_dataset_equal_those_of_a_plain_one_byte_for_byt
 
 def test_the_codec_is_part_of_a_shards_cache_key(run, tmp_path):
     out, cached = run("blosc2-zstd", out=tmp_path / "dataset")
-    first = {s["name"]: s["sha256"] for s in read_manifest(out)["shards"]}
+    first = {s["name"]: s["blake3"] for s in read_manifest(out)["shards"]}
     assert cached == 0
     _, cached = run("blosc2-zstd", out=out, codec_threads=3)  # threads do not change the bytes
     assert cached == len(first)
-    assert {s["name"]: s["sha256"] for s in read_manifest(out)["shards"]} == first
+    assert {s["name"]: s["blake3"] for s in read_manifest(out)["shards"]} == first
     with pytest.raises(DatasetExists, match="extract.codec"):
         run("blosc2-lz4", out=out)  # another codec would replace the dataset: only when asked
     _, cached = run("blosc2-lz4", out=out, overwrite=True)
     assert cached == 0, "every shard is computed again with the other codec"
-    again = {s["name"]: s["sha256"] for s in read_manifest(out)["shards"]}
+    again = {s["name"]: s["blake3"] for s in read_manifest(out)["shards"]}
     assert again.keys() == first.keys() and not set(again.values()) & set(first.values())
     assert read_manifest(out)["codec"]["name"] == "blosc2-lz4" and validate_dataset(out).valid
 

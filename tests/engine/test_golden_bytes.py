@@ -20,9 +20,12 @@ import pytest
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.dataset.capture_format import CAPTURE_CODE_HASHES_OF_FORMAT_1
 from eagle_states.dataset.codec import ENCODED_KEY
+from eagle_states.dataset.files import sha256_file
+from eagle_states.dataset.layout import shard_path
 from eagle_states.dataset.manifest import read_manifest
 from eagle_states.dataset.shard_file import ShardReader
 from eagle_states.extraction.driver import Extraction, run_extraction
+from eagle_states.validate import validate_dataset
 from helpers import CountingEngines, extraction_params, random_prompts, write_prompt_jsonl
 
 # prompts of 3..190 tokens in steps of 64 tokens: most span several steps (chunked prefill), steps mix requests
@@ -93,11 +96,11 @@ def test_the_capture_writes_the_pinned_bytes(extracted, dtype, codec):
 @pytest.mark.parametrize("dtype, codec", list(GOLDEN))
 def test_a_dataset_of_the_release_before_the_declared_format_is_reused_whole(extracted, llama_model, tmp_path,
                                                                              dtype, codec):
-    """Its receipts carry the old key (a hash of the capture's source text): written back as that release wrote
-    them, they are honoured, and the extraction loads no model."""
+    """Its receipts carry the old key (a hash of the capture's source text) and the shard files' sha256 (BLAKE3
+    since): written back as that release wrote them, they are honoured, and the extraction loads no model."""
     tmp, prompts = extracted
     out = shutil.copytree(tmp / f"{dtype}-{codec}", tmp_path / "ds")
-    shards = [s["sha256"] for s in read_manifest(out)["shards"]]
+    shards = [sha256_file(out / s["file"]) for s in read_manifest(out)["shards"]]
     extraction = Extraction(params_for(llama_model, prompts, out, dtype, codec))
     old_key = extraction._config_hash(code=CAPTURE_CODE_HASHES_OF_FORMAT_1[-1])  # the seed's capture code hash
     if (dtype, codec) == ("float32", "none") and extraction.model["weights_fingerprint"] == LEGACY_KEY[0]:
@@ -106,10 +109,14 @@ def test_a_dataset_of_the_release_before_the_declared_format_is_reused_whole(ext
         record = json.loads(receipt.read_text())
         record["config_hash"] = old_key
         del record["engine"]  # that release did not record the engine
+        del record["blake3"]
+        record["sha256"] = sha256_file(shard_path(out, record["shard"]))
         receipt.write_text(json.dumps(record))
     (out / "manifest.json").unlink()
     engines = CountingEngines()
     run_extraction(Extraction(params_for(llama_model, prompts, out, dtype, codec)), progress=False,
                    engines=EngineHolder(engines))
     assert engines.created == 0
-    assert [s["sha256"] for s in read_manifest(out)["shards"]] == shards
+    assert [s.get("sha256") for s in read_manifest(out)["shards"]] == shards  # as recorded, not rehashed
+    result = validate_dataset(out)
+    assert result.valid, result.failures

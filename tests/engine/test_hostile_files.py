@@ -172,11 +172,11 @@ def test_changed_bytes_behind_a_reused_validation_are_caught_by_every_reader(wor
         f.seek(stat.st_size // 2)
         f.write(bytes(b ^ 0xFF for b in two))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    with pytest.raises(ChangedShard, match="shard-00000.safetensors: its sha256 is not the manifest's"):
+    with pytest.raises(ChangedShard, match="shard-00000.safetensors: its digest is not the manifest's"):
         list(Dataset(dataset))
     with pytest.raises(ChangedShard):
         Dataset(dataset)[Dataset(dataset).sample_ids[0]]
     assert main(["export", str(dataset), "--format", "speculators-legacy", "--out", str(work / "export")]) == 2
-    assert "its sha256 is not the manifest's" in capsys.readouterr().err
+    assert "its digest is not the manifest's" in capsys.readouterr().err
     assert not (work / "export" / "export.json").exists()
     assert not validate_dataset(dataset, reuse=False).valid

@@ -225,7 +225,7 @@ def test_greedy_rerun_gives_the_same_tokens_and_bytes_and_restores_a_lost_shard(
     params = one_pass["params"]
     dataset = Path(params.output.dir)
     manifest = json.loads((dataset / layout.MANIFEST_FILE).read_text())
-    before = {s["name"]: s["sha256"] for s in manifest["shards"]}
+    before = {s["name"]: s["blake3"] for s in manifest["shards"]}
     samples_before = sha256_file(Path(params.regenerate.out) / "samples.parquet")
     layout.shard_path(dataset, manifest["shards"][1]["name"]).unlink()
     with pytest.raises(stages.MissingCapture, match="1 of .* shards are not on disk"):
@@ -235,7 +235,7 @@ def test_greedy_rerun_gives_the_same_tokens_and_bytes_and_restores_a_lost_shard(
     assert sha256_file(Path(params.regenerate.out) / "samples.parquet") == samples_before
     stages.extract(params, engines=setup["engines"])
     after = json.loads((dataset / layout.MANIFEST_FILE).read_text())
-    assert {s["name"]: s["sha256"] for s in after["shards"]} == before
+    assert {s["name"]: s["blake3"] for s in after["shards"]} == before
     assert setup["counting"].created == 1  # one model load for every regeneration and extraction here
 
 

@@ -41,12 +41,12 @@ def rewrite(dataset, shard, change, update_manifest=True):
     path = shard_path(dataset, shard)
     tensors = load_file(path)
     change(tensors)
-    sha, size = write_shard_file(path, tensors)
+    digest, size = write_shard_file(path, tensors)
     if update_manifest:
         manifest = json.loads((dataset / "manifest.json").read_text())
         for s in manifest["shards"]:
             if s["name"] == shard:
-                s["sha256"], s["bytes"] = sha, size
+                s["blake3"], s["bytes"] = digest, size
         (dataset / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -127,7 +127,7 @@ def test_a_shard_changed_after_the_manifest(copy):
     def scale(t):
         t["p000/hidden_states/0"] *= 1.0001
     rewrite(copy, "shard-00000", scale, update_manifest=False)
-    assert ("shard-00000", "", "sha256_matches: equal_to(True)") in checks(validate_dataset(copy))
+    assert ("shard-00000", "", "digest_matches: equal_to(True)") in checks(validate_dataset(copy))
 
 
 def test_a_truncated_shard(copy, monkeypatch):

@@ -35,6 +35,6 @@ def test_two_local_engine_workers_write_the_same_dataset_as_one(tmp_path, llama_
     assert "2 local engine workers serve" in log
     one, two = (read_manifest(tmp_path / d) for d in ("one", "two"))
     assert len(one["shards"]) >= 4
-    assert [s["sha256"] for s in two["shards"]] == [s["sha256"] for s in one["shards"]]
+    assert [s["blake3"] for s in two["shards"]] == [s["blake3"] for s in one["shards"]]
     assert (tmp_path / "two" / "manifest.json").read_bytes() == (tmp_path / "one" / "manifest.json").read_bytes()
     assert (tmp_path / "two" / "index.parquet").read_bytes() == (tmp_path / "one" / "index.parquet").read_bytes()

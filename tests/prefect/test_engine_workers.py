@@ -110,7 +110,7 @@ def cluster(tmp_path_factory, llama_model):
 
 
 def shard_hashes(dataset: Path) -> list[str]:
-    return [s["sha256"] for s in json.loads((dataset / "manifest.json").read_text())["shards"]]
+    return [s["blake3"] for s in json.loads((dataset / "manifest.json").read_text())["shards"]]
 
 
 @pytest.fixture(scope="module")

@@ -197,7 +197,7 @@ def plant_a_nan_with_a_matching_receipt(dataset, shard):
     key = next(k for k in sorted(tensors) if "/hidden_states/" in k)
     tensors[key][0, 0] = float("nan")
     receipt = json.loads(receipt_path(dataset, shard).read_text())
-    receipt["sha256"], receipt["bytes"] = write_shard_file(path, tensors)
+    receipt["blake3"], receipt["bytes"] = write_shard_file(path, tensors)
     receipt_path(dataset, shard).write_text(json.dumps(receipt))
 
 

@@ -114,6 +114,15 @@ def test_a_record_this_project_wrote_reads_back_on_every_path(results):
     assert asyncio.run(read_parameters(store_on(block), parameters_id)) == {"parameters": data["parameters"]}
 
 
+def test_a_shard_outcome_stored_before_blake3_digests_reads_back():
+    """Records of shard tasks stored when the digest field was `sha256` are cache hits still, not errors."""
+    serializer = JsonRecordSerializer()
+    stored = json.loads(serializer.dumps(OUTCOME))
+    assert stored["data"].pop("digest") == OUTCOME.digest
+    stored["data"]["sha256"] = OUTCOME.digest
+    assert serializer.loads(json.dumps(stored).encode()) == OUTCOME
+
+
 @pytest.mark.parametrize("kind", PLANTS)
 def test_a_planted_record_is_refused_on_every_read_path(results, tmp_path, kind):
     from prefect._internal.result_records import ResultRecordMetadata

@@ -23,7 +23,7 @@ def samples(*lengths: int) -> list[InputSample]:
 def settings() -> EngineSettings:
     return EngineSettings(model="m", layer_ids=(1,), num_layers=2, hidden_size=64, dtype="float32", max_model_len=4096,
                           max_num_seqs=8, max_num_batched_tokens=256, gpu_memory_utilization=0.2,
-                          tensor_parallel_size=1, write_threads=1)
+                          tensor_parallel_size=1, write_threads=1, host_buffer_bytes=1 << 30)
 
 
 def test_a_first_step_with_room_for_the_running_requests_fits():

@@ -116,7 +116,7 @@ def test_a_model_that_is_not_what_its_config_says_is_refused(tmp_path):
     from eagle_states.capture.protocol import CaptureError, Setup
     from eagle_states.capture.forward import check_loaded_model
 
-    setup = Setup(layer_ids=[2, 4], num_layers=8, hidden_size=256, write_threads=1)
+    setup = Setup(layer_ids=[2, 4], num_layers=8, hidden_size=256, write_threads=1, host_buffer_bytes=1 << 30)
     check_loaded_model(8, 256, setup)
     with pytest.raises(CaptureError, match="the loaded model has 7 decoder layers of width 256, config.json says 8"):
         check_loaded_model(7, 256, setup)

@@ -74,3 +74,22 @@ def test_files_get_the_users_umask(tmp_path, umask, mode):
     finally:
         os.umask(before)
     assert [(tmp_path / name).stat().st_mode & 0o777 for name in ("a.bin", "b.bin")] == [mode, mode]
+
+
+def test_a_shard_record_is_checked_by_the_digest_it_names(tmp_path):
+    """BLAKE3 since 2026-12-02; a receipt or manifest entry made before names sha256 and is checked by it, so a
+    finished shard stays finished across the change. A record without a digest is refused."""
+    from eagle_states.dataset.files import digest_matches, file_digest, recorded_digest, sha256_file
+    from eagle_states.dataset.shard_file import write_shard_file
+
+    path = tmp_path / "shard.safetensors"
+    digest, _ = write_shard_file(path, {"a": torch.arange(70_000, dtype=torch.float32), "b": torch.ones(3, 5)})
+    assert digest == file_digest(path) != sha256_file(path)
+    assert recorded_digest({"blake3": digest, "sha256": "x"}) == ("blake3", digest)
+    assert digest_matches(path, {"blake3": digest}) and digest_matches(path, {"sha256": sha256_file(path)})
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x01")
+    assert not digest_matches(path, {"blake3": digest})
+    with pytest.raises(KeyError, match="no digest"):
+        recorded_digest({"bytes": 10})

@@ -46,7 +46,7 @@ def test_messages_are_checked_when_they_are_made():
 
 
 def test_ranks_must_agree_on_what_they_captured():
-    writer = p.ShardReport(samples={"a": (3, 17)}, sha256="x", bytes=10)
+    writer = p.ShardReport(samples={"a": (3, 17)}, digest="x", bytes=10)
     assert check_shard_agreement({0: writer, 1: p.ShardReport(samples={"a": (3, 17)})}, 2, "s") == writer
     with pytest.raises(CaptureError, match="different samples"):
         check_shard_agreement({0: writer, 1: p.ShardReport(samples={"a": (4, 17)})}, 2, "s")

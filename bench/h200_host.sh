@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The host path and nvCOMP's allocator on the H200 (#29), one stage per device call (at most 10 minutes each):
+#   bash bench/h200_host.sh check|dsv3-disk|dsv3-shm|rss|llama8b
+# After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
+# against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
+# caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
+# ../shared/gpukit installed on the machine (/tmp/site) and the wheels in .whl/. Results go to $OUT.
+set -uo pipefail
+source /tmp/site/kit_env.sh
+[ -d /tmp/site/nvidia/nvcomp ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+OUT=${OUT:-/tmp/out}
+COMMON="--layer-ids 1,2,3,4 --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768
+        --write-threads 8 --gpu-memory-utilization 0.8"
+DSV3="$COMMON --disk-probe-gb 8 --free-written --prompts 192 --prompt-len 2048"
+make_dsv3() { [ -d /dev/shm/dsv3 ] || python3 -m eagle_states make-demo-model /dev/shm/dsv3 --arch deepseek-v3-real \
+    --layers 4 --device cuda >/dev/null; }
+bench() {  # NAME ARGS...: one bench, its text and JSON in $OUT
+  local name=$1; shift
+  python3 -m eagle_states bench "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.txt" \
+      | grep -v "^  capture \|^round"
+  tail -2 "$OUT/$name.err"
+}
+case "$1" in
+  check)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 -c "import blake3, psutil; from nvidia import nvcomp; print('blake3', blake3.__version__, 'nvcomp', \
+nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.startswith('__')])"
+    python3 bench/gpu_codec_check.py 2>&1 | tee "$OUT/gpu_codec_check.txt" | tail -4
+    python3 bench/gpu_check.py /tmp/gc-nvcomp --only llama --codec nvcomp-ans >"$OUT/gpu_check_nvcomp-ans.log" 2>&1
+    echo "gpu_check nvcomp-ans: exit $?"; grep -E "PASS|FAIL|Error|error" "$OUT/gpu_check_nvcomp-ans.log" | tail -4 ;;
+  dsv3-disk)
+    make_dsv3
+    bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 --codecs none,nvcomp-ans,fp8-e4m3 ;;
+  dsv3-shm)
+    make_dsv3
+    bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --rounds 2 --codecs none ;;
+  rss)  # the same tokens per round (393,216) in samples of 4K, 16K and 64K tokens (${2:-all three}); the demo
+        # model says 8,192 positions: a copy saying 131,072 (random weights: RoPE runs at any position)
+    make_dsv3
+    if [ ! -d /dev/shm/dsv3-long ]; then
+      cp -al /dev/shm/dsv3 /dev/shm/dsv3-long && rm /dev/shm/dsv3-long/config.json  # hard links: regular files
+      python3 -c "import json; c = json.load(open('/dev/shm/dsv3/config.json')); c['max_position_embeddings'] = 131072; \
+json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
+    fi
+    for spec in ${2:-96:4096 24:16384 6:65536}; do
+      bench "rss-${spec#*:}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 --free-written \
+          --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs none
+    done ;;
+  llama8b)
+    [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
+    bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds 2 \
+        --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768 --write-threads 8 \
+        --gpu-memory-utilization 0.85 --disk-probe-gb 8 --free-written --codecs ${2:-none,nvcomp-ans} ;;
+esac
