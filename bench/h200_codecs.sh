@@ -3,16 +3,7 @@
 #   bash bench/h200_codecs.sh check|dsv3-disk|dsv3-shm|llama8b|after
 # Needs vLLM from ../shared/gpukit installed on the machine (/tmp/site) and the wheels in .whl/ (nvCOMP's two,
 # pandera, typeguard, py-spy). Results go to $OUT.
-set -uo pipefail
-source /tmp/site/kit_env.sh
-[ -d /tmp/site/nvidia/nvcomp ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
-OUT=${OUT:-/tmp/out}
-DSV3="--layer-ids 1,2,3,4 --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768
-      --write-threads 8 --gpu-memory-utilization 0.8 --disk-probe-gb 8 --free-written --prompts 192 --prompt-len 2048"
-make_dsv3() { [ -d /dev/shm/dsv3 ] || python3 -m eagle_states make-demo-model /dev/shm/dsv3 --arch deepseek-v3-real \
-    --layers 4 --device cuda >/dev/null; }
+source bench/h200_env.sh
 case "$1" in
   check)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,21 +1,11 @@
 #!/usr/bin/env bash
-# The host path and nvCOMP's allocator on the H200 (#29), one stage per device call (at most 10 minutes each):
+# The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
 #   bash bench/h200_host.sh check|dsv3-disk|dsv3-shm|rss|llama8b
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
 # ../shared/gpukit installed on the machine (/tmp/site) and the wheels in .whl/. Results go to $OUT.
-set -uo pipefail
-source /tmp/site/kit_env.sh
-[ -d /tmp/site/nvidia/nvcomp ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site .whl/*.whl
-export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
-OUT=${OUT:-/tmp/out}
-COMMON="--layer-ids 1,2,3,4 --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768
-        --write-threads 8 --gpu-memory-utilization 0.8"
-DSV3="$COMMON --disk-probe-gb 8 --free-written --prompts 192 --prompt-len 2048"
-make_dsv3() { [ -d /dev/shm/dsv3 ] || python3 -m eagle_states make-demo-model /dev/shm/dsv3 --arch deepseek-v3-real \
-    --layers 4 --device cuda >/dev/null; }
+source bench/h200_env.sh
 bench() {  # NAME ARGS...: one bench, its text and JSON in $OUT
   local name=$1; shift
   python3 -m eagle_states bench "$@" --json "$OUT/$name.json" 2>"$OUT/$name.err" | tee "$OUT/$name.txt" \
