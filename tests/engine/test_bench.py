@@ -23,7 +23,8 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     for line in ("plain prefill", "capture to disk, codec none", "capture to disk, codec blosc2-zstd",
                  "ratio capture/plain", "up to the last forward pass", "GB/s written", "bytes/token on disk",
                  "GB/s per writer thread", "disk alone", "forward stalled", "after the last forward",
-                 "device time in forward passes", "idle between them", "peak host RSS", "engine start"):
+                 "device time in forward passes", "idle between them", "host RSS of this process and the engine's",
+                 "engine start"):
         assert line in printed or line.replace(" GB/s", "") in printed, line
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["tokens_per_round"] == 6 * 40 and len(result["rounds"]) == 2
@@ -51,5 +52,6 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
         assert packed["encode_s"] > 0 and packed["bytes_per_token_stored"] == packed["bytes_written"] / 240
     assert result["captures"]["blosc2-zstd"]["compression_ratio"] > 1
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
+    assert result["peak_tree_rss_gb"] >= result["loaded_tree_rss_gb"] > 0 and result["host_buffer_gb"] == 8
     assert not (out / "dataset").exists()  # each round's dataset is removed
     assert result["free_written"] is True
