@@ -311,9 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-steps", type=int, default=0,
                    help="train it this many steps on the demo conversations (seeded, deterministic; 160 take about "
                         "3 minutes on 2 cores), so that a draft has something to learn (default: random weights)")
-    p.add_argument("--recipe", choices=["chat", "recall"], default="chat",
-                   help="the conversations --train-steps trains on (eagle_states.demo.demo_conversations; default: "
-                        "%(default)s)")
+    p.add_argument("--recipe", choices=["chat", "recall", "keyed"], default="chat",
+                   help="the conversations --train-steps trains on (eagle_states.demo.demo_conversations; keyed: "
+                        "the one where a draft needs the target's states; default: %(default)s)")
     p.set_defaults(func=cmd_make_demo_model)
 
     p = sub.add_parser("run", help="the whole pipeline as a Prefect flow (ephemeral server unless one is set)")

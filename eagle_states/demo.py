@@ -41,7 +41,24 @@ _KEYS = ["river", "robot", "library", "village", "weather", "recipe", "train", "
          "night", "note"]
 _VALUES = ["explains", "changes", "remembers", "improves", "describes", "surprises", "follows", "builds", "simple",
            "careful", "quiet", "small", "short", "missing", "helpful", "opening", "new", "old", "best", "long"]
-RECIPES = ("chat", "recall")
+# The `keyed` recipe: each mode is named by a key word and walks the shared word pool by its own successor map
+# (one cycle through all the words per mode, fixed: the same maps for every seed); keys and words single tokens
+_MODE_KEYS = ["river", "robot", "library", "village", "weather", "garden"]
+_MODE_WORDS = _VALUES
+_FILLER = [w for w in _KEYS if w not in _MODE_KEYS]
+
+
+def mode_successors() -> dict[str, dict[str, str]]:
+    """The `keyed` recipe's successor map of each mode key: word -> next word, one cycle through _MODE_WORDS."""
+    rng = random.Random(27)
+    maps = {}
+    for key in _MODE_KEYS:
+        cycle = rng.sample(_MODE_WORDS, len(_MODE_WORDS))
+        maps[key] = {w: cycle[(i + 1) % len(cycle)] for i, w in enumerate(cycle)}
+    return maps
+
+
+RECIPES = ("chat", "recall", "keyed")
 
 
 def demo_conversations(count: int = 64, seed: int = 0, recipe: str = "chat") -> list[dict]:
@@ -54,12 +71,22 @@ def demo_conversations(count: int = 64, seed: int = 0, recipe: str = "chat") -> 
     induction head: two layers of the target; a one-layer draft can do it only through the target's states, which
     say which word each position holds). Meant for `eagle-states acceptance`'s controls; the demo target at
     8 x 256 (and 8 x 128) did not learn the copy in 300 (600) steps on this 2-core CPU (bench/RESULTS.md).
+    recipe "keyed": the user names one of six modes by a key word after a few filler words ("Night test winter.
+    Walk village from missing."), and the reply walks the 20 words of a shared pool from the start word by that
+    mode's successor map (`mode_successors`: one cycle each, fixed): the current word alone leaves the next one
+    open among the modes; one attention lookup back to the key settles it. The 8 x 256 target learns it in 160
+    steps (reply-token accuracy 0.92); a draft then depends on the target's states, which carry the mode (its fc
+    zeroed, vLLM accepts a third as much); fed the states of the layers one below its own it is accepted 0.81 x
+    as often after 120 training steps, 0.93 x after 40; one above, 0.98 x (bench/RESULTS.md, 2026-12-02).
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r}: one of {', '.join(RECIPES)}")
     rng = random.Random(seed)
     if recipe == "recall":
         return [_recall_conversation(rng, i) for i in range(count)]
+    if recipe == "keyed":
+        maps = mode_successors()
+        return [_keyed_conversation(rng, i, maps) for i in range(count)]
 
     def sentence():
         return f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}."
@@ -81,6 +108,18 @@ def _recall_conversation(rng: random.Random, i: int) -> dict:
     pairs = " ".join(f"{k} {v}." for k, v in zip(rng.sample(_KEYS, rng.randint(6, 16)), rng.sample(_VALUES, 16)))
     return {"id": f"demo-{i:04d}", "conversations": [{"from": "human", "value": f"Remember: {pairs}"},
                                                      {"from": "gpt", "value": f"I remember: {pairs}"}]}
+
+
+def _keyed_conversation(rng: random.Random, i: int, maps: dict) -> dict:
+    key = rng.choice(_MODE_KEYS)
+    words = [rng.choice(_MODE_WORDS)]
+    for _ in range(rng.randint(11, 18)):  # 12 to 19 words: no word twice (a cycle of 20)
+        words.append(maps[key][words[-1]])
+    # a few filler words first (neither keys nor walked words): prompts do not repeat, and the key has no fixed place
+    filler = " ".join(rng.choice(_FILLER) for _ in range(rng.randint(2, 8)))
+    return {"id": f"demo-{i:04d}", "conversations": [
+        {"from": "human", "value": f"{filler.capitalize()}. Walk {key} from {words[0]}."},
+        {"from": "gpt", "value": " ".join(words) + "."}]}
 
 
 def _train_tokenizer(vocab_size: int, seed: int):
