@@ -15,6 +15,10 @@ cannot tell them from the real thing is seen to be too weak:
     token-shift        each state paired with the token after the one it belongs to
     layer-off-by-one   the draft names the layer after each captured one ("after layer k" read as "entering
                        layer k"), so vLLM feeds it states of other layers than it was trained on
+    layer-off-by-one-down  the draft names the layer before each captured one (the other direction of the same
+                       mistake: "entering layer k" read as "after layer k")
+The two layer controls train exactly what the correct draft trains (same states, same seed: the same weights);
+only the layer ids in the saved config differ, so `relabel_draft` makes them from the correct draft.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from pathlib import Path
 from eagle_states.training import optimizer_step
 
 log = logging.getLogger(__name__)
-CONTROLS = ("none", "token-shift", "layer-off-by-one")
+CONTROLS = ("none", "token-shift", "layer-off-by-one", "layer-off-by-one-down")
+LAYER_SHIFT = {"layer-off-by-one": 1, "layer-off-by-one-down": -1}  # served id - trained id
 TRAINING_FILE = "draft_training.json"  # beside the saved draft: recipe, control, losses
 
 
@@ -55,6 +60,39 @@ def eagle3_layers(export_dir: Path) -> dict:
     from eagle_states.export import EAGLE3_FILE
 
     return json.loads((Path(export_dir) / EAGLE3_FILE).read_text())
+
+
+def served_layer_ids(trained_on: list[int], control: str) -> list[int]:
+    """The layer ids the draft's config names (what vLLM feeds it) for a draft trained on `trained_on`."""
+    served = [k + LAYER_SHIFT.get(control, 0) for k in trained_on]
+    if min(served) < 0:
+        raise ValueError(f"{control}: layer ids {trained_on} have no layer below {min(trained_on)}")
+    return served
+
+
+def relabel_draft(trained_dir: Path, out_dir: Path, control: str) -> dict:
+    """A layer control from the correct draft in `trained_dir`: the same weights (what `train_draft` would train
+    for it, step for step), its config naming the shifted layer ids. Returns its TRAINING_FILE record."""
+    import shutil
+
+    if control not in LAYER_SHIFT:
+        raise ValueError(f"control {control!r}: one of {', '.join(LAYER_SHIFT)}")
+    trained_dir, out_dir = Path(trained_dir), Path(out_dir)
+    record = json.loads((trained_dir / TRAINING_FILE).read_text())
+    if record["control"] != "none":
+        raise ValueError(f"{trained_dir} is the {record['control']} control, not the correct draft")
+    served = served_layer_ids(record["trained_on_layer_ids"], control)
+    staging = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(trained_dir, staging)
+    config = json.loads((staging / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == record["trained_on_layer_ids"], config
+    config["eagle_aux_hidden_state_layer_ids"] = served
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    record = {**record, "control": control, "draft_config_layer_ids": served, "relabelled_from": str(trained_dir)}
+    (staging / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    staging.rename(out_dir)
+    return record
 
 
 def _shift_one_more(shift_batch):
@@ -97,7 +135,7 @@ def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: Draft
     export_dir, target_dir, out_dir = Path(export_dir).resolve(), Path(target_dir).resolve(), Path(out_dir)
     layers = eagle3_layers(export_dir)
     trained_on = list(layers["aux_layer_ids"])
-    served_as = [k + 1 for k in trained_on] if control == "layer-off-by-one" else trained_on
+    served_as = served_layer_ids(trained_on, control)
     verifier = AutoConfig.from_pretrained(target_dir)
     d2t = t2d = None
     if recipe.draft_vocab_size != verifier.vocab_size:

@@ -16,7 +16,7 @@ import json
 import logging
 from pathlib import Path
 
-from eagle_states.acceptance.draft import TRAINING_FILE, DraftRecipe, train_draft
+from eagle_states.acceptance.draft import LAYER_SHIFT, TRAINING_FILE, DraftRecipe, relabel_draft, train_draft
 from eagle_states.capture.speculative import measure_acceptance
 from eagle_states.dataset.files import atomic_write_json
 from eagle_states.dataset.manifest import read_manifest
@@ -66,7 +66,10 @@ def run_acceptance(dataset: Path, out: Path, *, recipe: DraftRecipe = DraftRecip
     for control in ("none", *controls):
         draft_dir = out / f"draft-{control}"
         if not (draft_dir / TRAINING_FILE).exists():  # a run stopped after some drafts resumes after them
-            train_draft(export, target, draft_dir, recipe, control)
+            if control in LAYER_SHIFT:  # the correct draft's weights: only the config's layer ids differ
+                relabel_draft(out / "draft-none", draft_dir, control)
+            else:
+                train_draft(export, target, draft_dir, recipe, control)
         trained = json.loads((draft_dir / TRAINING_FILE).read_text())
         served = measure_acceptance(target, draft_dir, prompts, num_speculative_tokens=num_speculative_tokens,
                                     max_tokens=max_tokens, dtype=dtype)
