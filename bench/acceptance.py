@@ -35,7 +35,8 @@ def params_for(args, out: Path, **regenerate):
         "prepare": {"out": str(out / "prepared"), "max_length": args.max_length, "limit": args.conversations},
         "regenerate": {"out": str(out / "regenerated"), **regenerate},
         "extract": {"dtype": args.dtype, "max_model_len": args.max_length + 256,
-                    "max_num_batched_tokens": 4096, "shard_max_tokens": 16384},
+                    "max_num_batched_tokens": 4096, "shard_max_tokens": 16384,
+                    **({"layer_ids": args.layer_ids} if args.layer_ids else {})},
         "validate": {"report": str(out / "validation.json")},
         "output": {"dir": str(out / "dataset"), "prefect_results": str(out / "results")}})
 
@@ -62,6 +63,11 @@ def main():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=96, help="per regenerated turn")
+    ap.add_argument("--recipe", help="the demo conversations' recipe (default: the target's, from its "
+                                     "target_training.json; chat without one); also the target's when it is built")
+    ap.add_argument("--layer-ids", help="the extraction's layer ids, e.g. 1,4,7,8 (default: the pipeline's)")
+    ap.add_argument("--controls", default="token-shift,layer-off-by-one",
+                    help="controls beside the correct draft (default: %(default)s)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -71,7 +77,7 @@ def main():
     from eagle_states.capture.engine import EngineHolder
     from eagle_states.capture.speculative import measure_acceptance
     from eagle_states.demo import write_demo_conversations
-    from eagle_states.demo_training import train_demo_model
+    from eagle_states.demo_training import TRAINING_FILE, train_demo_model
     from eagle_states.export import export_dataset
     from eagle_states.extraction.driver import Extraction, run_extraction
 
@@ -79,8 +85,11 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     args.model = Path(args.model)
     if not (args.model / "config.json").exists():
-        train_demo_model(args.model, steps=160)
-    args.data = Path(args.data) if args.data else write_demo_conversations(out / "conversations.jsonl", 2 * args.conversations)
+        train_demo_model(args.model, steps=160, recipe=args.recipe or "chat")
+    trained = args.model / TRAINING_FILE
+    recipe_name = args.recipe or (json.loads(trained.read_text()).get("recipe", "chat") if trained.exists() else "chat")
+    args.data = Path(args.data) if args.data else write_demo_conversations(out / "conversations.jsonl",
+                                                                           2 * args.conversations, recipe=recipe_name)
     recipe = DraftRecipe(epochs=args.epochs, max_steps=args.max_steps)
     prompts = heldout_prompts(args.model, args.prompts, seed=2)
     serve = dict(prompts=prompts, max_tokens=args.max_tokens, dtype=args.dtype)
@@ -96,7 +105,7 @@ def main():
     engines.close()
     assert stages.validate(original).valid
     report = run_acceptance(out / "original" / "dataset", out / "original" / "acceptance", recipe=recipe,
-                            controls=("token-shift", "layer-off-by-one"), model=args.model, **serve)
+                            controls=[c for c in args.controls.split(",") if c], model=args.model, **serve)
     rows = {row["draft"]: row for row in report["drafts"]}
     tokens = json.loads((out / "original" / "dataset" / "manifest.json").read_text())["num_tokens"]
 
@@ -124,7 +133,8 @@ def main():
         **regenerated_trained}
     regenerated_tokens = json.loads((out / "regenerated" / "dataset" / "manifest.json").read_text())["num_tokens"]
 
-    result = {"model": str(args.model), "tokens": tokens, "regenerated_tokens": regenerated_tokens,
+    result = {"model": str(args.model), "conversations_recipe": recipe_name,
+              "layer_ids": report["manifest_layer_ids"], "tokens": tokens, "regenerated_tokens": regenerated_tokens,
               "recipe": report["recipe"], "prompts": len(prompts),
               "extraction_s": {"eagle-states": round(ours_s, 2), "speculators (peer)": round(peer_s, 2)},
               "extraction_tokens_per_s": {"eagle-states": round(tokens / ours_s), "speculators (peer)":
