@@ -77,7 +77,8 @@ def demo_conversations(count: int = 64, seed: int = 0, recipe: str = "chat") -> 
     open among the modes; one attention lookup back to the key settles it. The 8 x 256 target learns it in 160
     steps (reply-token accuracy 0.92); a draft then depends on the target's states, which carry the mode (its fc
     zeroed, vLLM accepts a third as much); fed the states of the layers one below its own it is accepted 0.81 x
-    as often after 120 training steps, 0.93 x after 40; one above, 0.98 x (bench/RESULTS.md, 2026-12-02).
+    as often after 120 training steps with draft seed 0, 0.94 x with seed 1, 0.93 x after 40; one above,
+    0.94-0.98 x: the layer controls do not separate robustly yet (bench/RESULTS.md, 2026-12-02).
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r}: one of {', '.join(RECIPES)}")
