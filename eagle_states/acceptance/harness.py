@@ -29,25 +29,33 @@ REPORT_FILE = "acceptance.json"
 def heldout_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
     """The opening turns (system and user, up to the first reply) of `count` demo conversations of `seed`, with the
     chat template's generation prompt: prompts the drafts were not trained on when `seed` is not the dataset's.
-    Of the recipe the target was trained on (its `target_training.json`; the default recipe without one)."""
+    Of the recipe the target was trained on (its `target_training.json`; the default recipe without one).
+
+    The tokens are those the opening turns have inside the whole conversation as `prepare` renders it (the
+    rendering up to the first reply token), not the opening turns tokenized by themselves: where BPE merges across
+    the end of a string, those differ at the last token (the demo tokenizer ends "<|end_header_id|>\n\n" alone
+    with one merged token 'ĊĊ', inside a conversation with 'Ċ', 'Ċ'), and a prompt ending in a token that the
+    target and the draft never saw before a reply is a prompt of another distribution than the training data's."""
     from transformers import AutoTokenizer
 
     from eagle_states.demo import demo_conversations
     from eagle_states.demo_training import TRAINING_FILE
+    from eagle_states.prepare import renderer
 
     roles = {"human": "user", "gpt": "assistant", "system": "system"}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    render, _ = renderer(tokenizer)
     prompts = []
     trained = Path(model_dir) / TRAINING_FILE
     recipe = json.loads(trained.read_text()).get("recipe", "chat") if trained.exists() else "chat"
     for row in demo_conversations(count, seed, recipe):
-        opening = []
+        through_reply = []
         for turn in row["conversations"]:
+            through_reply.append({"role": roles[turn["from"]], "content": turn["value"]})
             if turn["from"] == "gpt":
                 break
-            opening.append({"role": roles[turn["from"]], "content": turn["value"]})
-        prompts.append(tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+        ids, mask = render(tokenizer, through_reply)
+        prompts.append(ids[:mask.index(1)])
     return prompts
 
 
