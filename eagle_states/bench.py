@@ -89,11 +89,10 @@ class TreeRss:
         while not self._stop.wait(self.interval):
             self.now()
 
-    def __enter__(self) -> "TreeRss":
+    def start(self) -> None:
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc):
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
@@ -139,7 +138,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     extraction = extraction_of(source, out_dir / "dataset")
     engine = holder(extraction.engine_settings())
     engine_start_s = time.perf_counter() - started
-    rss = TreeRss().__enter__()
+    rss = TreeRss()  # a daemon thread: a bench that fails leaves it to the interpreter's end
+    rss.start()
     loaded_rss = rss.now()
     # Warm both paths on an eighth of the prompts (allocator, pinned host buffers, writer threads, page cache)
     # before anything is timed.
@@ -246,7 +246,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             "drain_s", "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored",
             "encode_gb_s_per_writer", "encode_gb_s_device")}
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
-    rss.__exit__(None, None, None)
+    rss.stop()
     return {
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
         "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype,
