@@ -68,6 +68,13 @@ def main():
     ap.add_argument("--layer-ids", help="the extraction's layer ids, e.g. 1,4,7,8 (default: the pipeline's)")
     ap.add_argument("--controls", default="token-shift,layer-off-by-one",
                     help="controls beside the correct draft (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", help="where the target (when built) and the drafts train")
+    ap.add_argument("--speculators-train", action="store_true",
+                    help="also the correct draft trained by `speculators train` itself (a CUDA device)")
+    ap.add_argument("--target-steps", type=int, default=160, help="training steps of a target built here")
+    ap.add_argument("--target-shape", default="8,256", help="layers,hidden of a target built here")
+    ap.add_argument("--target-conversations", type=int, default=2000, help="a built target's training set")
+    ap.add_argument("--skip", default="", help="comma-separated: peer (its extraction and draft), regenerated")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -85,7 +92,10 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     args.model = Path(args.model)
     if not (args.model / "config.json").exists():
-        train_demo_model(args.model, steps=160, recipe=args.recipe or "chat")
+        layers, hidden = map(int, args.target_shape.split(","))
+        train_demo_model(args.model, steps=args.target_steps, recipe=args.recipe or "chat", device=args.device,
+                         conversations=args.target_conversations, num_layers=layers, hidden_size=hidden,
+                         num_heads=hidden // 64)
     trained = args.model / TRAINING_FILE
     recipe_name = args.recipe or (json.loads(trained.read_text()).get("recipe", "chat") if trained.exists() else "chat")
     args.data = Path(args.data) if args.data else write_demo_conversations(out / "conversations.jsonl",
@@ -105,41 +115,49 @@ def main():
     engines.close()
     assert stages.validate(original).valid
     report = run_acceptance(out / "original" / "dataset", out / "original" / "acceptance", recipe=recipe,
-                            controls=[c for c in args.controls.split(",") if c], model=args.model, **serve)
+                            controls=[c for c in args.controls.split(",") if c], model=args.model,
+                            device=args.device, speculators_train=args.speculators_train, **serve)
     rows = {row["draft"]: row for row in report["drafts"]}
     tokens = json.loads((out / "original" / "dataset" / "manifest.json").read_text())["num_tokens"]
-
-    peer_dir = out / "peer" / "export"
-    peer = peer_export(args.model, out / "original" / "acceptance" / "export", peer_dir,
-                       report["manifest_layer_ids"], args.dtype)
-    peer_s = peer["seconds"]
 
     def trained(record: dict) -> dict:
         return {"train_final_loss": record["final_loss"], "train_steps": record["steps"], "val": record["val"],
                 "trained_on_layer_ids": record["trained_on_layer_ids"]}
-    peer_trained = trained(train_draft(peer_dir, args.model, out / "peer" / "draft", recipe))
-    rows["peer (speculators' data generation)"] = {
-        "draft": "peer", **measure_acceptance(args.model, out / "peer" / "draft", **serve).summary(), **peer_trained}
 
-    regenerated = params_for(args, out / "regenerated", enabled=True, max_new_tokens=args.max_new_tokens)
-    stages.regenerate(regenerated)
-    stages.extract(regenerated)
-    assert stages.validate(regenerated).valid
-    export_dataset(out / "regenerated" / "dataset", out / "regenerated" / "export", "speculators", progress=False)
-    regenerated_trained = trained(train_draft(out / "regenerated" / "export", args.model,
-                                              out / "regenerated" / "draft", recipe))
-    rows["regenerated replies"] = {
-        "draft": "regenerated", **measure_acceptance(args.model, out / "regenerated" / "draft", **serve).summary(),
-        **regenerated_trained}
-    regenerated_tokens = json.loads((out / "regenerated" / "dataset" / "manifest.json").read_text())["num_tokens"]
+    skip = set(filter(None, args.skip.split(",")))
+    peer_s, peer = None, {}
+    if "peer" not in skip:
+        peer_dir = out / "peer" / "export"
+        peer = peer_export(args.model, out / "original" / "acceptance" / "export", peer_dir,
+                           report["manifest_layer_ids"], args.dtype)
+        peer_s = peer["seconds"]
+        peer_trained = trained(train_draft(peer_dir, args.model, out / "peer" / "draft", recipe, device=args.device))
+        rows["peer (speculators' data generation)"] = {
+            "draft": "peer", **measure_acceptance(args.model, out / "peer" / "draft", **serve).summary(),
+            **peer_trained}
+
+    regenerated_tokens = None
+    if "regenerated" not in skip:
+        regenerated = params_for(args, out / "regenerated", enabled=True, max_new_tokens=args.max_new_tokens)
+        stages.regenerate(regenerated)
+        stages.extract(regenerated)
+        assert stages.validate(regenerated).valid
+        export_dataset(out / "regenerated" / "dataset", out / "regenerated" / "export", "speculators", progress=False)
+        regenerated_trained = trained(train_draft(out / "regenerated" / "export", args.model,
+                                                  out / "regenerated" / "draft", recipe, device=args.device))
+        rows["regenerated replies"] = {
+            "draft": "regenerated", **measure_acceptance(args.model, out / "regenerated" / "draft", **serve).summary(),
+            **regenerated_trained}
+        regenerated_tokens = json.loads((out / "regenerated" / "dataset" / "manifest.json").read_text())["num_tokens"]
 
     result = {"model": str(args.model), "conversations_recipe": recipe_name,
               "layer_ids": report["manifest_layer_ids"], "tokens": tokens, "regenerated_tokens": regenerated_tokens,
               "recipe": report["recipe"], "prompts": len(prompts),
-              "extraction_s": {"eagle-states": round(ours_s, 2), "speculators (peer)": round(peer_s, 2)},
-              "extraction_tokens_per_s": {"eagle-states": round(tokens / ours_s), "speculators (peer)":
-                                          round(tokens / peer_s)},
-              "peer_states_bitwise_equal_to_ours": f"{peer['bitwise_equal_to_ours']} of {peer['samples']}",
+              "extraction_s": {"eagle-states": round(ours_s, 2), "speculators (peer)": peer_s},
+              "extraction_tokens_per_s": {"eagle-states": round(tokens / ours_s),
+                                          "speculators (peer)": round(tokens / peer_s) if peer_s else None},
+              "peer_states_bitwise_equal_to_ours": f"{peer['bitwise_equal_to_ours']} of {peer['samples']}"
+              if peer else None,
               "drafts": rows}
     print(table({"drafts": [{**r, "draft": name, "train_final_loss": r.get("train_final_loss", float("nan")),
                              "trained_on_layer_ids": r.get("trained_on_layer_ids", report["manifest_layer_ids"][:-1])}

@@ -48,7 +48,8 @@ def cmd_make_demo_model(args) -> int:
     shape = dict(seed=args.seed, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
                  num_heads=args.hidden // 64)
     if args.train_steps:
-        train_demo_model(Path(args.dir), steps=args.train_steps, recipe=args.recipe, **shape)
+        train_demo_model(Path(args.dir), steps=args.train_steps, recipe=args.recipe, device=args.device,
+                         conversations=args.train_conversations, **shape)
     else:
         make_demo_model(Path(args.dir), device=args.device, **shape)
     print(f"demo model written to {args.dir}" + (f" (trained {args.train_steps} steps)" if args.train_steps else ""))
@@ -228,7 +229,8 @@ def cmd_acceptance(args) -> int:
     report = run_acceptance(Path(args.dataset), Path(args.out), recipe=recipe, controls=controls,
                             prompts=heldout_prompts(model, args.prompts, args.prompt_seed),
                             num_speculative_tokens=args.num_speculative_tokens, max_tokens=args.max_tokens,
-                            model=model, dtype=args.dtype)
+                            model=model, dtype=args.dtype, device=args.device,
+                            speculators_train=args.speculators_train)
     print(json.dumps(report) if args.json else table(report))
     return 0
 
@@ -298,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-demo-model", help="write the built-in small model (random weights, or trained with --train-steps)")
     p.add_argument("dir", help="where to write it")
-    p.add_argument("--device", default="cpu", help="where to initialise the weights; cuda is faster for big "
+    p.add_argument("--device", default="cpu", help="where to initialise (and train) the weights; cuda is faster for big "
                                                   "shapes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
     p.add_argument("--arch", choices=["llama", "deepseek-v3", "deepseek-v3-cuda", "deepseek-v3-real"],
@@ -311,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-steps", type=int, default=0,
                    help="train it this many steps on the demo conversations (seeded, deterministic; 160 take about "
                         "3 minutes on 2 cores), so that a draft has something to learn (default: random weights)")
+    p.add_argument("--train-conversations", type=int, default=2000,
+                   help="demo conversations --train-steps samples from (default: %(default)s)")
     p.add_argument("--recipe", choices=["chat", "recall", "keyed"], default="chat",
                    help="the conversations --train-steps trains on (eagle_states.demo.demo_conversations; keyed: "
                         "the one where a draft needs the target's states; default: %(default)s)")
@@ -434,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=96, help="generated per prompt (default: %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="the serving engine's (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="where the drafts train, e.g. cuda (default: %(default)s)")
+    p.add_argument("--speculators-train", action="store_true",
+                   help="also the correct draft trained by `speculators train` itself, which needs a CUDA device")
     p.add_argument("--json", action="store_true", help="the report as one JSON line")
     p.set_defaults(func=cmd_acceptance)
 

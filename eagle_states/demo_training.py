@@ -3,7 +3,8 @@ conversations, so that it behaves predictably and a draft has something to learn
 nothing: acceptance measured on them means nothing).
 
 Seeded and deterministic (`torch.use_deterministic_algorithms`, one generator for the batches): the same
-arguments give the same weights on the same machine. Plain next-token loss on the conversations rendered with
+arguments give the same weights on the same machine (on a CPU; on CUDA nearly: attention's backward has no
+deterministic kernel there, and the matmuls run in TF32). Plain next-token loss on the conversations rendered with
 the chat template, AdamW with a cosine schedule; a few minutes on two cores for the default 160 steps.
 """
 
@@ -28,10 +29,13 @@ def _messages(row: dict) -> list[dict]:
 
 def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversations: int = 2000,
                      data_seed: int = 1, seq_len: int = 256, batch: int = 16, lr: float = 3e-3,
-                     recipe: str = "chat", **model_args) -> Path:
+                     recipe: str = "chat", device: str = "cpu", **model_args) -> Path:
     """`make_demo_model(out_dir, seed=seed, **model_args)`, then `steps` steps of training on `conversations`
     demo conversations of `data_seed` and `recipe` (`demo.demo_conversations`; another seed than the held-out
-    prompts the acceptance uses); saved in bf16 over the random weights, with TRAINING_FILE beside them."""
+    prompts the acceptance uses) on `device`, in fp32; saved in bf16 over the random weights, with TRAINING_FILE
+    beside them."""
+    import os
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -46,9 +50,15 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
     data = torch.tensor(ids, dtype=torch.long)
     blocks = data[: data.numel() // (seq_len + 1) * (seq_len + 1)].view(-1, seq_len + 1)
 
-    torch.use_deterministic_algorithms(True)
+    cuda = device.startswith("cuda")
+    if cuda:  # cuBLAS is deterministic only with a fixed workspace; TF32 matmuls: a bigger target in minutes
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.set_float32_matmul_precision("high")
+    # on CUDA a kernel without a deterministic version (attention's backward) warns instead of stopping the build
+    torch.use_deterministic_algorithms(True, warn_only=cuda)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out_dir), dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out_dir),
+                                             dtype=torch.float32).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -56,7 +66,7 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
     batches = torch.Generator().manual_seed(seed)
     losses = []
     for step in range(steps):
-        chosen = blocks[torch.randint(0, len(blocks), (batch,), generator=batches)]
+        chosen = blocks[torch.randint(0, len(blocks), (batch,), generator=batches)].to(device)
         logits = model(input_ids=chosen[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chosen[:, 1:].flatten())
         losses.append(optimizer_step(model, optimizer, schedule, loss))
@@ -64,7 +74,7 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
             log.info("training the demo target: step %d/%d, loss %.3f", step + 1, steps, losses[-1])
     save_bf16(model, out_dir)
     (out_dir / TRAINING_FILE).write_text(json.dumps({
-        "steps": steps, "seed": seed, "recipe": recipe, "conversations": conversations, "data_seed": data_seed, "seq_len": seq_len,
+        "steps": steps, "seed": seed, "recipe": recipe, "device": device, "conversations": conversations, "data_seed": data_seed, "seq_len": seq_len,
         "batch": batch, "lr": lr, "tokens_seen": steps * batch * seq_len, "final_loss": losses[-1],
         "loss_every_10_steps": losses[::10], "seconds": round(time.monotonic() - started, 1)}, indent=2) + "\n")
     return out_dir

@@ -17,6 +17,9 @@ cannot tell them from the real thing is seen to be too weak:
                        layer k"), so vLLM feeds it states of other layers than it was trained on
     layer-off-by-one-down  the draft names the layer before each captured one (the other direction of the same
                        mistake: "entering layer k" read as "after layer k")
+    final-layer-off-by-one  trained towards the state entering the last decoder layer instead of the final state
+                       before the norm (the training target's slot one layer low, TorchSpec #87: an extractor
+                       that named the final state num_layers - 1); needs that layer among the captured ones
 The two layer controls train exactly what the correct draft trains (same states, same seed: the same weights);
 only the layer ids in the saved config differ, so `relabel_draft` makes them from the correct draft.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 from eagle_states.training import optimizer_step
 
 log = logging.getLogger(__name__)
-CONTROLS = ("none", "token-shift", "layer-off-by-one", "layer-off-by-one-down")
+CONTROLS = ("none", "token-shift", "layer-off-by-one", "layer-off-by-one-down", "final-layer-off-by-one")
 LAYER_SHIFT = {"layer-off-by-one": 1, "layer-off-by-one-down": -1}  # served id - trained id
 TRAINING_FILE = "draft_training.json"  # beside the saved draft: recipe, control, losses
 
@@ -109,10 +112,19 @@ def _shift_one_more(shift_batch):
     return shifted
 
 
+def _final_from_slot(shift_batch, slot: int, hidden_size: int):
+    """speculators' `shift_batch` on a sample whose training-target state is aux slot `slot` (the
+    final-layer-off-by-one control); `hidden_states` holds the aux slots side by side, [T, slots * hidden]."""
+    def replaced(batch):
+        aux = batch["hidden_states"][:, slot * hidden_size:(slot + 1) * hidden_size]
+        return shift_batch({**batch, "verifier_last_hidden_states": aux})
+    return replaced
+
+
 def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: DraftRecipe = DraftRecipe(),
-                control: str = "none", threads: int | None = None) -> dict:
-    """Train one draft on `export_dir` (a `speculators` export) for `target_dir`; saved into `out_dir` with
-    TRAINING_FILE. Returns that record (recipe, control, layer ids, validation metrics, seconds)."""
+                control: str = "none", threads: int | None = None, device: str = "cpu") -> dict:
+    """Train one draft on `export_dir` (a `speculators` export) for `target_dir` on `device` (float32); saved into
+    `out_dir` with TRAINING_FILE. Returns that record (recipe, control, layer ids, validation metrics, seconds)."""
     import numpy as np
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -150,10 +162,16 @@ def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: Draft
         verifier_config=decoder, t2d=t2d, d2t=d2t, verifier_name_or_path=str(target_dir),
         draft_vocab_size=recipe.draft_vocab_size, norm_before_residual=True, norm_before_fc=True, fc_norm=False,
         norm_output=True, embed_requires_grad=False, target_layer_ids=served_as, draft_attn_impl="eager",
-        ttt_steps=recipe.ttt_steps).float()
+        ttt_steps=recipe.ttt_steps).float().to(device)
     call, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager",
                                                   ttt_steps=recipe.ttt_steps, ttt_step_loss_decay=1.0)
     preprocess = _shift_one_more(shift_batch) if control == "token-shift" else shift_batch
+    if control == "final-layer-off-by-one":
+        below = layers["final_layer_id"] - 1
+        if below not in trained_on:
+            raise ValueError(f"{control}: the export's aux layers {trained_on} do not hold layer {below}, the "
+                             f"state one below the final {layers['final_layer_id']}")
+        preprocess = _final_from_slot(shift_batch, trained_on.index(below), model.hidden_size)
 
     def loader(split: str):
         data = ArrowDataset(max_len=recipe.total_seq_len, datapath=str(export_dir), on_missing="raise",
@@ -164,12 +182,13 @@ def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: Draft
     train, val = loader("train"), loader("val")
     with warnings.catch_warnings():  # speculators' loader pins memory for an accelerator: none here, nothing to do
         warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
-        losses = _fit(model, train, call, recipe)
-        metrics = _evaluate(model, val, call)
+        losses = _fit(model, train, call, recipe, device)
+        metrics = _evaluate(model, val, call, device)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, state_dict=convert_float_dtype(model.state_dict(), torch.bfloat16))
     patch_config_dtype(out_dir / "config.json", torch.bfloat16)
-    record = {"recipe": asdict(recipe), "control": control, "export": str(export_dir), "target": str(target_dir),
+    record = {"recipe": asdict(recipe), "control": control, "trainer": "eagle-states loop", "device": device,
+              "export": str(export_dir), "target": str(target_dir),
               "trained_on_layer_ids": trained_on, "draft_config_layer_ids": served_as,
               "final_layer_id": layers["final_layer_id"], "steps": len(losses), "first_loss": losses[0],
               "final_loss": losses[-1], "val": metrics, "seconds": round(time.monotonic() - started, 1)}
@@ -177,7 +196,11 @@ def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: Draft
     return record
 
 
-def _fit(model, train, call: dict, recipe: DraftRecipe) -> list[float]:
+def _on(batch: dict, device: str) -> dict:
+    return {k: v.to(device) for k, v in batch.items() if k != "error_records"}
+
+
+def _fit(model, train, call: dict, recipe: DraftRecipe, device: str) -> list[float]:
     import torch
     from transformers import get_linear_schedule_with_warmup
 
@@ -191,7 +214,7 @@ def _fit(model, train, call: dict, recipe: DraftRecipe) -> list[float]:
     for epoch in range(recipe.epochs):
         train.batch_sampler.set_epoch(epoch)
         for batch in train:
-            _, loss, _ = model(**{k: v for k, v in batch.items() if k != "error_records"}, **call)
+            _, loss, _ = model(**_on(batch, device), **call)
             losses.append(optimizer_step(model, optimizer, schedule, loss))
             if len(losses) % 25 == 0:
                 log.info("draft training: step %d/%d, loss %.3f", len(losses), total, losses[-1])
@@ -200,7 +223,7 @@ def _fit(model, train, call: dict, recipe: DraftRecipe) -> list[float]:
     return losses
 
 
-def _evaluate(model, val, call: dict) -> dict:
+def _evaluate(model, val, call: dict, device: str) -> dict:
     import torch
     from speculators.train.utils import normalize_counted_metrics
 
@@ -209,7 +232,7 @@ def _evaluate(model, val, call: dict) -> dict:
     batches = 0
     with torch.no_grad():
         for batch in val:
-            _, _, metrics = model(**{k: v for k, v in batch.items() if k != "error_records"}, **call)
+            _, _, metrics = model(**_on(batch, device), **call)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             batches += 1

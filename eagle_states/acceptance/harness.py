@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 from eagle_states.acceptance.draft import LAYER_SHIFT, TRAINING_FILE, DraftRecipe, relabel_draft, train_draft
+from eagle_states.acceptance.speculators_trainer import train_draft_with_speculators
 from eagle_states.capture.speculative import measure_acceptance
 from eagle_states.dataset.files import atomic_write_json
 from eagle_states.dataset.manifest import read_manifest
@@ -61,23 +62,27 @@ def heldout_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
 
 def run_acceptance(dataset: Path, out: Path, *, recipe: DraftRecipe = DraftRecipe(), controls=(),
                    prompts: list[list[int]], num_speculative_tokens: int = 3, max_tokens: int = 96,
-                   model: Path | None = None, dtype: str = "auto") -> dict:
+                   model: Path | None = None, dtype: str = "auto", device: str = "cpu",
+                   speculators_train: bool = False) -> dict:
     """Export `dataset`, train a draft on it (and one per control), serve each with the target on `prompts`;
     the report (also OUT/acceptance.json) has one row per draft. `model`: the target (default: the manifest's);
-    `dtype`: the serving engine's (float32 on a CPU, where bf16 is emulated)."""
+    `dtype`: the serving engine's (float32 on a CPU, where bf16 is emulated); `device`: where the drafts train;
+    `speculators_train`: one row more, the correct draft trained by `speculators train` itself (a CUDA device)."""
     dataset, out = Path(dataset), Path(out)
     manifest = read_manifest(dataset)
     target = Path(model or manifest["model"]["path"])
     export = out / "export"
     export_dataset(dataset, export, "speculators", progress=False)
     rows = []
-    for control in ("none", *controls):
+    for control in ("none", *(["speculators-train"] if speculators_train else []), *controls):
         draft_dir = out / f"draft-{control}"
         if not (draft_dir / TRAINING_FILE).exists():  # a run stopped after some drafts resumes after them
             if control in LAYER_SHIFT:  # the correct draft's weights: only the config's layer ids differ
                 relabel_draft(out / "draft-none", draft_dir, control)
+            elif control == "speculators-train":
+                train_draft_with_speculators(export, target, draft_dir, recipe)
             else:
-                train_draft(export, target, draft_dir, recipe, control)
+                train_draft(export, target, draft_dir, recipe, control, device=device)
         trained = json.loads((draft_dir / TRAINING_FILE).read_text())
         served = measure_acceptance(target, draft_dir, prompts, num_speculative_tokens=num_speculative_tokens,
                                     max_tokens=max_tokens, dtype=dtype)

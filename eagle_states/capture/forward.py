@@ -167,6 +167,16 @@ class PinnedPool:
         self.lock = threading.Lock()
         self.wait_s = 0.0  # the forward thread blocked on back-pressure
 
+    def reserve(self, row_bytes: int) -> None:
+        """Pin every block of the budget now, for steps of `row_bytes` rows: at engine start rather than inside the
+        first run's forward passes (pinning a block of a GiB takes a fraction of a second, which the device
+        otherwise idles through, once per engine)."""
+        capacity, limit = pinned_blocks(self.budget_bytes, row_bytes, self.max_num_tokens)
+        with torch.inference_mode(False):
+            while self.allocated < limit:
+                self.free.put(PinnedBlock(torch.empty(capacity, dtype=torch.uint8, pin_memory=True)))
+                self.allocated += 1
+
     def take(self, stacked: torch.Tensor, nbytes: int) -> PinnedBlock:
         """A block (bytes) for a step of `stacked`'s width and dtype, holding `nbytes` (the step as copied: its
         states, or what a step codec made of them); when all are in use, waits for the writer to release one,
@@ -280,6 +290,9 @@ class ForwardCapture:
         self.is_cuda = torch.device(runner.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
         self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens, setup.host_buffer_bytes)
+        dtype = getattr(runner, "dtype", None)  # the states' (the model's activations')
+        if self.is_cuda and writer and self.hidden_size and isinstance(dtype, torch.dtype):
+            self.pinned.reserve(self.hidden_size * dtype.itemsize * len(self.layer_ids))
         self.pending_copy: _DeviceStep | None = None
         # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
         self.codec = Codec()

@@ -51,6 +51,42 @@ def test_speculators_reads_our_export_with_its_own_loader(dataset, tmp_path):
     assert sum(freq.values()) == ours.manifest["num_loss_tokens"]
 
 
+def test_speculators_own_trainer_builds_its_draft_from_our_export(dataset, tmp_path, llama_model):
+    """The command the acceptance harness runs on a GPU (`speculators train`, acceptance.speculators_trainer), in
+    speculators' own --dry-run, which runs on this CPU: it reads our export, takes the export's layer ids (not its
+    default [2, n//2, n-3]) and our token frequencies, and saves the draft vLLM serves."""
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import AutoConfig
+
+    from eagle_states.acceptance.draft import DraftRecipe
+    from eagle_states.acceptance.speculators_trainer import train_command
+
+    path, _ = dataset
+    export = tmp_path / "spec"
+    export_dataset(path, export, "speculators", progress=False)
+    recipe = DraftRecipe()
+    done = subprocess.run([*train_command(export, llama_model, tmp_path / "run", recipe), "--dry-run"],
+                          env={**os.environ, "EAGLE_STATES_METRICS": str(tmp_path / "metrics.jsonl")},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saved = tmp_path / "run" / "checkpoints"
+    config = json.loads((saved / "config.json").read_text())
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"][:-1]
+    assert config["transformer_layer_config"]["layer_types"] == ["full_attention"] * recipe.num_layers
+    assert (config["norm_before_residual"], config["norm_before_fc"], config["norm_output"]) == (True, True, True)
+    assert config["draft_vocab_size"] == recipe.draft_vocab_size
+    weights = load_file(saved / "model.safetensors")
+    d2t, t2d = build_vocab_mappings_from_distribution(torch.load(export / "token_freq.pt", weights_only=True),
+                                                      recipe.draft_vocab_size,
+                                                      AutoConfig.from_pretrained(llama_model).vocab_size)
+    assert torch.equal(weights["d2t"], d2t) and torch.equal(weights["t2d"], t2d)
+
+
 def load_specforge_file(path):
     """Reads a file the way SpecForge's OfflineEagle3Dataset does (torch.load; aux_hidden_state squeezed to
     [T, (L-1)H] is the draft input, hidden_state squeezed to [T, H] the target)."""

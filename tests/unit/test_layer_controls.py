@@ -35,3 +35,21 @@ def test_a_relabelled_draft_has_the_same_weights_and_the_shifted_ids(tmp_path):
         relabel_draft(out, tmp_path / "again", "layer-off-by-one")
     with pytest.raises(ValueError, match="control"):
         relabel_draft(draft, tmp_path / "x", "token-shift")
+
+
+def test_the_final_layer_control_trains_towards_the_aux_slot_one_layer_below_the_final_state():
+    """TorchSpec #87's mistake: the training target's state is the one entering the last decoder layer."""
+    import torch
+    from speculators.models.eagle3.data import shift_batch
+
+    from eagle_states.acceptance.draft import _final_from_slot
+
+    T, H = 5, 4
+    aux = torch.arange(T * 3 * H, dtype=torch.float32).view(T, 3 * H)
+    batch = {"input_ids": torch.arange(T), "hidden_states": aux, "verifier_last_hidden_states": -torch.ones(T, H),
+             "loss_mask": torch.ones(T, dtype=torch.long), "lengths": torch.tensor([T]), "position_ids": torch.arange(T)}
+    right, wrong = shift_batch(batch), _final_from_slot(shift_batch, 2, H)(batch)
+    assert torch.equal(wrong["verifier_last_hidden_states"], aux[1:, 2 * H:])  # aligned as the final state was
+    assert torch.equal(right["verifier_last_hidden_states"], -torch.ones(T - 1, H))
+    for key in ("input_ids", "hidden_states", "loss_mask", "lengths", "position_ids"):
+        assert torch.equal(wrong[key], right[key])

@@ -1,0 +1,37 @@
+# Issue #27 on one H200, stage by stage (each well inside a device call's 10 minutes; the machine keeps /tmp
+# between calls made back to back):
+#   bash bench/h200_acceptance.sh setup        the wheels of .whl/ (speculators and what it imports) into /tmp/site
+#   bash bench/h200_acceptance.sh target       a larger keyed target trained on the GPU
+#   bash bench/h200_acceptance.sh acceptance   extraction -> drafts (speculators train itself, this project's loop,
+#                                              the controls) -> vLLM's EAGLE-3 acceptance, side by side
+#   bash bench/h200_acceptance.sh peer         extraction speed: plain prefill, ours, speculators' data generation,
+#                                              one run, Llama-3.1-8B shape (random weights)
+# Needs vLLM from ../shared/gpukit installed on the machine (/tmp/site). Results go to $OUT.
+set -uo pipefail
+source /tmp/site/kit_env.sh
+export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+OUT=${OUT:-/tmp/out}
+W=/tmp/acc
+mkdir -p "$OUT" "$W"
+case "${1:?stage}" in
+setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    python3 -c "import speculators.train.cli, datasets, pandera, blake3, eagle_states.acceptance.harness; print('imports ok')"
+    grep -c norm_output /tmp/site/vllm/transformers_utils/configs/speculators/algos.py ;;
+target)
+    python3 -m eagle_states make-demo-model "$W/target" --device cuda --layers 12 --hidden 768 --recipe keyed \
+        --train-steps 2000 --train-conversations 20000
+    cp "$W/target/target_training.json" "$OUT/" ;;
+acceptance)
+    python3 bench/cpu-2026-12-02-final-layer/probe_lens.py "$W/target" --conversations 100 | tee "$OUT/probe_lens.json"
+    python3 bench/acceptance.py --model "$W/target" --out "$W/bench" --conversations 4000 --layer-ids 2,6,11,12 \
+        --dtype bfloat16 --device cuda --speculators-train --epochs 3 --prompts 64 --max-tokens 64 \
+        --controls token-shift,final-layer-off-by-one,layer-off-by-one,layer-off-by-one-down --skip peer,regenerated \
+        --json "$OUT/acceptance.json" 2>&1 | tee "$OUT/acceptance.log" | grep -v "^\(INFO\|DEBUG\)"
+    cp "$W/bench/original/acceptance/draft-speculators-train.run/train.log" "$OUT/speculators-train.log" 2>/dev/null ;;
+peer)
+    [ -d /tmp/m8b ] || python3 /tmp/kit/make_model.py /tmp/m8b >/dev/null
+    python3 bench/peer_speed.py /tmp/m8b /tmp/peer --prompts 128 --prompt-len 2048 --layer-ids 2,16,29,32 \
+        --dtype bfloat16 --json "$OUT/peer_speed.json" 2>&1 | tail -5 ;;
+*) echo "unknown stage $1"; exit 2 ;;
+esac
