@@ -14,13 +14,14 @@ written atomically, so an interrupted export resumes where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from pathlib import Path
 
 import torch
 
-from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, json_bytes, sha256_file
 from eagle_states.dataset.layout import LAYER_SEMANTICS, MANIFEST_FILE, LayerSelection
 from eagle_states.dataset.reader import Dataset, Sample
 from eagle_states.dataset.shard_file import write_shard_file
@@ -135,10 +136,18 @@ def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path
     from collections import Counter
 
     from datasets import Dataset as HFDataset
+    from datasets import DatasetInfo, Features, List, Value
+    from datasets.table import InMemoryTable
 
     freq = Counter(t for ids, mask in table for t, m in zip(ids, mask) if m)
-    hf = HFDataset.from_dict({"input_ids": [ids for ids, _ in table], "loss_mask": [mask for _, mask in table],
-                              "seq_len": [len(ids) for ids, _ in table]})
+    # `from_dict`'s types (its input_ids as int32), with a fingerprint of ours: without one, `datasets` hashes the
+    # whole table through dill, which fails on Python 3.12 with pyarrow 26 ("Can't pickle MonthDayNano")
+    features = Features({"input_ids": List(Value("int32")), "loss_mask": List(Value("int64")),
+                         "seq_len": Value("int64")})
+    columns = {"input_ids": [ids for ids, _ in table], "loss_mask": [mask for _, mask in table],
+               "seq_len": [len(ids) for ids, _ in table]}
+    hf = HFDataset(InMemoryTable.from_pydict(columns, schema=features.arrow_schema), info=DatasetInfo(features=features),
+                   fingerprint=hashlib.sha256(json_bytes(columns)).hexdigest())
     hf.set_format(type="torch")  # as speculators' own preprocessing leaves it
     staging = out / ".table.tmp"
     shutil.rmtree(staging, ignore_errors=True)
