@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -45,7 +46,9 @@ def peer_export(model: Path, ours: Path, out: Path, layer_ids: list[int], dtype:
     """bench/peer_extract.py in its own process (its engine core must run in a process of its own)."""
     done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "peer_extract.py"), str(model),
                            str(ours), str(out), "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"bench/peer_extract.py failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"seconds"')))
 
 
@@ -77,6 +80,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated: peer (its extraction and draft), regenerated")
     ap.add_argument("--json")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # a long run's progress
 
     from eagle_states import stages
     from eagle_states.acceptance.draft import DraftRecipe, train_draft

@@ -25,7 +25,7 @@ target)
 acceptance)
     python3 bench/cpu-2026-12-02-final-layer/probe_lens.py "$W/target" --conversations 100 | tee "$OUT/probe_lens.json"
     python3 bench/acceptance.py --model "$W/target" --out "$W/bench" --conversations 4000 --layer-ids 2,6,11,12 \
-        --dtype bfloat16 --device cuda --speculators-train --epochs 3 --prompts 64 --max-tokens 64 \
+        --dtype bfloat16 --device cuda --speculators-train --epochs 3 --max-steps 1000 --prompts 64 --max-tokens 64 \
         --controls token-shift,final-layer-off-by-one,layer-off-by-one,layer-off-by-one-down --skip peer,regenerated \
         --json "$OUT/acceptance.json" 2>&1 | tee "$OUT/acceptance.log" | grep -v "^\(INFO\|DEBUG\)"
     cp "$W/bench/original/acceptance/draft-speculators-train.run/train.log" "$OUT/speculators-train.log" 2>/dev/null ;;

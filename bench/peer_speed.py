@@ -42,6 +42,7 @@ def main():
     from eagle_states.config import PipelineParams
     from eagle_states.export import export_dataset
     from eagle_states.extraction.driver import Extraction, run_extraction
+    from eagle_states.validate import validate_dataset
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
@@ -71,13 +72,16 @@ def main():
     ours_s = time.monotonic() - started
     engines.close()
     started = time.monotonic()
+    assert validate_dataset(out / "dataset", report=out / "validation.json").valid  # export takes valid datasets
+    validate_s = time.monotonic() - started
+    started = time.monotonic()
     export_dataset(out / "dataset", out / "export", "speculators", progress=False)
     export_s = time.monotonic() - started
     shutil.rmtree(out / "dataset")  # room for the peer's copy
     peer = peer_export(Path(args.model), out / "export", out / "peer", layer_ids, args.dtype)
     result = {"model": args.model, "tokens": tokens, "layer_ids": layer_ids, "dtype": args.dtype,
               "seconds": {"plain prefill": round(plain_s, 2), "eagle-states extract": round(ours_s, 2),
-                          "eagle-states export": round(export_s, 2), "speculators (peer)": peer["seconds"]},
+                          "eagle-states validate": round(validate_s, 2), "eagle-states export": round(export_s, 2), "speculators (peer)": peer["seconds"]},
               "tokens_per_s": {"plain prefill": round(tokens / plain_s), "eagle-states extract": round(tokens / ours_s),
                                "eagle-states extract + export": round(tokens / (ours_s + export_s)),
                                "speculators (peer)": round(tokens / peer["seconds"])},

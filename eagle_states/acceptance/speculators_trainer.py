@@ -6,7 +6,7 @@ Flags set against speculators' defaults so that both train the same recipe: Adam
 attention in the draft's layer (its default is a sliding window on layer 0), `--on-missing raise` (its default
 asks a vLLM server on localhost for a missing sample's states), `--target-layer-ids` from the export's
 `eagle3.json` (without it speculators guesses [2, n//2, n-3]), no resuming from an earlier run's checkpoints. It
-differs in what speculators does on a GPU: bf16 autocast, flex attention under torch.compile, its fused loss.
+differs in what speculators does on a GPU: bf16 autocast, flex attention under torch.compile.
 
 Run as a module, this file is speculators' own entry point (`TrainConfig.resolve()`, `main`) with one logging
 handler more, writing the metric records speculators logs (one per step, one per validation) as JSON lines:
@@ -39,6 +39,9 @@ def train_command(export_dir: Path, target_dir: Path, run_dir: Path, recipe: Dra
             "--full-attention-indices", *map(str, range(recipe.num_layers)),
             "--norm-before-residual", "--norm-before-fc", "--norm-output", "--no-embed-requires-grad",
             "--ttt-steps", str(recipe.ttt_steps), "--ttt-step-loss-decay", "1.0", "--loss-fn", "kl_div",
+            # its fused (Triton) loss inside the compiled forward stops torch 2.11's dynamo ("ListVariable ...
+            # already tracked for mutation", H200, 2026-12-02); the eager loss is draft.train_draft's
+            "--loss-implementation", "eager",
             "--optimizer", "adamw", "--lr", str(recipe.lr), "--weight-decay", "0.01", "--scheduler-type", "linear",
             "--total-seq-len", str(recipe.total_seq_len), "--train-data-ratio", str(recipe.train_ratio),
             "--epochs", str(recipe.epochs), "--seed", str(recipe.seed), "--on-missing", "raise",
