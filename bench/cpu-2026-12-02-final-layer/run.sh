@@ -1,0 +1,37 @@
+# The final-layer control on the CPU build: the chat target (8 x 256, 160 steps), 300 demo conversations of seed 0
+# extracted at layer ids [2, 4, 7, 8] (fp32), then the acceptance harness at draft seeds 0 and 1.
+#   bash bench/cpu-2026-12-02-final-layer/run.sh [WORK]      (from the repository root; about 15 minutes on 2 cores)
+set -euo pipefail
+B=$PWD/.venv/bin
+W=$(realpath -m "${1:-/tmp/acc/w1}")
+mkdir -p "$W"
+[ -d "$W/target-chat" ] || $B/eagle-states make-demo-model "$W/target-chat" --train-steps 160
+$B/python - "$W" <<'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+from eagle_states.config import PipelineParams
+from eagle_states.demo import write_demo_conversations
+
+work = Path(sys.argv[1])
+params = PipelineParams.model_validate({
+    "model": {"path": str(work / "target-chat"), "build_demo_if_missing": False},
+    "data": {"path": str(write_demo_conversations(work / "conversations.jsonl", count=300, seed=0))},
+    "prepare": {"out": str(work / "prepared"), "max_length": 1024},
+    "extract": {"dtype": "float32", "max_model_len": 1280, "max_num_batched_tokens": 4096,
+                "shard_max_tokens": 16384, "layer_ids": [2, 4, 7, 8]},
+    "validate": {"report": str(work / "validation.json")},
+    "output": {"dir": str(work / "dataset"), "prefect_results": str(work / ".prefect-results")}})
+(work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json", by_alias=True)))
+PY
+cd "$W"
+$B/eagle-states prepare --params params.yaml --no-progress
+$B/eagle-states extract --params params.yaml --no-progress
+$B/eagle-states validate --params params.yaml
+common="--epochs 1 --max-steps 40 --prompts 16 --prompt-seed 2 --max-tokens 48 --dtype float32"
+$B/eagle-states acceptance dataset --out acceptance $common --seed 0 \
+    --controls token-shift,final-layer-off-by-one,layer-off-by-one
+$B/eagle-states acceptance dataset --out acceptance-seed1 $common --seed 1 \
+    --controls token-shift,final-layer-off-by-one,layer-off-by-one-down
