@@ -47,8 +47,10 @@ def peer_export(model: Path, ours: Path, out: Path, layer_ids: list[int], dtype:
     done = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "peer_extract.py"), str(model),
                            str(ours), str(out), "--layer-ids", ",".join(map(str, layer_ids)), "--dtype", dtype],
                           capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench/peer_extract.py failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    if done.returncode:  # vLLM states the cause before a long traceback: the whole of it in a file
+        log = out.parent / f"{out.name}.stderr.log"
+        log.write_text(done.stderr)
+        raise RuntimeError(f"bench/peer_extract.py failed (exit {done.returncode}), its stderr in {log}")
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"seconds"')))
 
 

@@ -32,6 +32,6 @@ acceptance)
 peer)
     [ -d /tmp/m8b ] || python3 /tmp/kit/make_model.py /tmp/m8b >/dev/null
     python3 bench/peer_speed.py /tmp/m8b /tmp/peer --prompts 128 --prompt-len 2048 --layer-ids 2,16,29,32 \
-        --dtype bfloat16 --json "$OUT/peer_speed.json" 2>&1 | tail -5 ;;
+        --dtype bfloat16 --json "$OUT/peer_speed.json" 2>&1 | tail -5; cp /tmp/peer/peer.stderr.log "$OUT/" 2>/dev/null ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac

@@ -24,6 +24,8 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--layer-ids", required=True)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2,
+                    help="on a GPU (vLLM wants this share of the device free at start; our capture's default)")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -37,9 +39,11 @@ if __name__ == "__main__":
     from vllm.platforms import current_platform
 
     ours, out = Path(args.export), Path(args.out)
+    staging = out.parent / f"{out.name}.staging"
+    for stale in (out, staging):  # an earlier run's, stopped
+        shutil.rmtree(stale, ignore_errors=True)
     shutil.copytree(ours, out, ignore=shutil.ignore_patterns("hidden_states"))
     (out / "hidden_states").mkdir()
-    staging = out.parent / f"{out.name}.staging"
     staging.mkdir()
     table = load_from_disk(str(ours))
     ids = [table[i]["input_ids"].tolist() for i in range(len(table))]
@@ -47,7 +51,8 @@ if __name__ == "__main__":
     connector = {"kv_connector": "CPUHiddenStatesConnector", "kv_connector_module_path": "peer_hs_connector"} \
         if cpu else {"kv_connector": "ExampleHiddenStatesConnector"}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max(map(len, ids)) + 8, enforce_eager=True,
-              enable_prefix_caching=False, seed=0, **({"kv_cache_memory_bytes": 1 << 30} if cpu else {}),
+              enable_prefix_caching=False, seed=0,
+              **({"kv_cache_memory_bytes": 1 << 30} if cpu else {"gpu_memory_utilization": args.gpu_memory_utilization}),
               **({"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if cpu else {}),
               speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                   "draft_model_config": {"hf_config": {

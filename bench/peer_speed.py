@@ -12,6 +12,7 @@ one file a sample; the peer writes one safetensors file a sample (its connector'
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import shutil
@@ -36,6 +37,7 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
 
+    import torch
     from acceptance import peer_export
 
     from eagle_states.capture.engine import EngineHolder
@@ -71,6 +73,9 @@ def main():
     run_extraction(extraction, progress=False, engines=engines)
     ours_s = time.monotonic() - started
     engines.close()
+    gc.collect()
+    if torch.cuda.is_available():  # what torch keeps cached of our engine: the peer's engine wants it free at start
+        torch.cuda.empty_cache()
     started = time.monotonic()
     assert validate_dataset(out / "dataset", report=out / "validation.json").valid  # export takes valid datasets
     validate_s = time.monotonic() - started
