@@ -1,12 +1,16 @@
-# The final-layer control on the CPU build: the chat target (8 x 256, 160 steps), 300 demo conversations of seed 0
-# extracted at layer ids [2, 4, 7, 8] (fp32), then the acceptance harness at draft seeds 0 and 1.
-#   bash bench/cpu-2026-12-02-final-layer/run.sh [WORK]      (from the repository root; about 15 minutes on 2 cores)
+# The final-layer control on the CPU build: a demo target (8 x 256, 160 steps) of RECIPE, COUNT demo conversations of
+# that recipe and seed 0 extracted at LAYER_IDS (fp32), then the acceptance harness at draft seeds 0 and 1.
+#   bash bench/cpu-2026-12-02-final-layer/run.sh [WORK [RECIPE [LAYER_IDS [COUNT]]]]    (from the repository root;
+#   about 15 minutes on 2 cores; defaults /tmp/acc/w1 chat 2,4,7,8 300; the keyed run: /tmp/acc/k2 keyed 1,4,7,8 2000)
 set -euo pipefail
 B=$PWD/.venv/bin
 W=$(realpath -m "${1:-/tmp/acc/w1}")
+RECIPE=${2:-chat}
+IDS=${3:-2,4,7,8}
+COUNT=${4:-300}
 mkdir -p "$W"
-[ -d "$W/target-chat" ] || $B/eagle-states make-demo-model "$W/target-chat" --train-steps 160
-$B/python - "$W" <<'PY'
+[ -d "$W/target-$RECIPE" ] || $B/eagle-states make-demo-model "$W/target-$RECIPE" --train-steps 160 --recipe "$RECIPE"
+$B/python - "$W" "$RECIPE" "$IDS" "$COUNT" <<'PY'
 import sys
 from pathlib import Path
 
@@ -15,13 +19,13 @@ import yaml
 from eagle_states.config import PipelineParams
 from eagle_states.demo import write_demo_conversations
 
-work = Path(sys.argv[1])
+work, recipe, ids, count = Path(sys.argv[1]), sys.argv[2], [int(k) for k in sys.argv[3].split(",")], int(sys.argv[4])
 params = PipelineParams.model_validate({
-    "model": {"path": str(work / "target-chat"), "build_demo_if_missing": False},
-    "data": {"path": str(write_demo_conversations(work / "conversations.jsonl", count=300, seed=0))},
+    "model": {"path": str(work / f"target-{recipe}"), "build_demo_if_missing": False},
+    "data": {"path": str(write_demo_conversations(work / "conversations.jsonl", count=count, seed=0, recipe=recipe))},
     "prepare": {"out": str(work / "prepared"), "max_length": 1024},
     "extract": {"dtype": "float32", "max_model_len": 1280, "max_num_batched_tokens": 4096,
-                "shard_max_tokens": 16384, "layer_ids": [2, 4, 7, 8]},
+                "shard_max_tokens": 16384, "layer_ids": ids},
     "validate": {"report": str(work / "validation.json")},
     "output": {"dir": str(work / "dataset"), "prefect_results": str(work / ".prefect-results")}})
 (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json", by_alias=True)))

@@ -4,8 +4,9 @@ states are not: states shifted by one token, and a training target one layer low
 entering the last decoder layer, TorchSpec #87). The layer ids vLLM captures at serve time are the manifest's,
 read back from the draft config and from the loaded target (issue #27).
 
-The target is the demo model trained briefly (`make-demo-model --train-steps`), built once per test session;
-the thresholds come from measurement (bench/RESULTS.md, "Acceptance"), with a margin."""
+The targets are the demo model trained briefly (`make-demo-model --train-steps`) on two recipes, chat and keyed,
+each control asserted on the one where it shows; the thresholds come from measurement (bench/RESULTS.md), with a
+margin."""
 
 import json
 import subprocess
@@ -22,12 +23,17 @@ from helpers import BIN
 
 # a budget where the draft has to read the states: it has not yet learnt the target's language from the tokens
 RECIPE = DraftRecipe(epochs=1, max_steps=40)
-LAYER_IDS = [2, 4, 7, 8]
-# measured on the CPU build with this recipe, these layer ids and these prompts (draft seed 0 / 1): 0.551 / 0.576
-# (mean length 2.65 / 2.73); the token-shift control 0.50 x / 0.72 x, the final-layer control 0.49 x / 0.52 x of
-# it (bench/RESULTS.md, "The final slot one layer low"); the test trains seed 0
-ACCEPTED_AT_LEAST = 0.40
 CONTROL_AT_MOST = 0.6  # of the correct draft's acceptance
+# Each control where the measurement can see it (bench/RESULTS.md, "The final slot one layer low"; draft seeds 0 / 1,
+# the test trains seed 0):
+# - the chat target at [2, 4, 7, 8], where the last decoder layer changes the prediction (its input's head agrees
+#   with the output on 0.62 of the reply tokens): the right draft 0.551 / 0.576, the final slot one layer low
+#   0.49 x / 0.52 x; the token shift there 0.50 x / 0.72 x: that draft reads little from the states
+# - the keyed target at [1, 4, 7, 8], whose replies the draft can only follow through the states: the right draft
+#   0.339 / 0.352, the token shift 0.37 x / 0.27 x; the final slot there 0.98 x (the last layer changes little)
+CHAT = dict(recipe="chat", layer_ids=[2, 4, 7, 8], conversations=300, controls="final-layer-off-by-one")
+KEYED = dict(recipe="keyed", layer_ids=[1, 4, 7, 8], conversations=2000, controls="token-shift")
+CHAT_ACCEPTED_AT_LEAST, KEYED_ACCEPTED_AT_LEAST = 0.40, 0.22
 
 
 def cli(*args: str) -> str:
@@ -38,24 +44,23 @@ def cli(*args: str) -> str:
     return done.stdout
 
 
-@pytest.fixture(scope="session")
-def trained_target(tmp_path_factory):
-    target = tmp_path_factory.mktemp("models") / "trained-llama"
-    cli("make-demo-model", str(target), "--train-steps", "160")
+def trained(tmp_path_factory, recipe: str) -> Path:
+    target = tmp_path_factory.mktemp("models") / f"trained-{recipe}"
+    cli("make-demo-model", str(target), "--train-steps", "160", "--recipe", recipe)
     return target
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory, trained_target):
-    """A fresh extraction of 300 demo conversations (95,987 tokens, fp32) from the trained target, validated."""
-    work = tmp_path_factory.mktemp("acceptance")
+def extracted(tmp_path_factory, target: Path, case: dict) -> Path:
+    """A fresh extraction of demo conversations of the case's recipe (seed 0, fp32) at its layer ids, validated."""
+    work = tmp_path_factory.mktemp(f"acceptance-{case['recipe']}")
     params = PipelineParams.model_validate({
-        "model": {"path": str(trained_target), "build_demo_if_missing": False},
-        "data": {"path": str(write_demo_conversations(work / "conversations.jsonl", count=300, seed=0))},
+        "model": {"path": str(target), "build_demo_if_missing": False},
+        "data": {"path": str(write_demo_conversations(work / "conversations.jsonl", count=case["conversations"],
+                                                      seed=0, recipe=case["recipe"]))},
         "prepare": {"out": str(work / "prepared"), "max_length": 1024},
         # the high layer is the last decoder layer's input, which the final-layer control trains towards
         "extract": {"dtype": "float32", "max_model_len": 1280, "max_num_batched_tokens": 4096,
-                    "shard_max_tokens": 16384, "layer_ids": LAYER_IDS},
+                    "shard_max_tokens": 16384, "layer_ids": case["layer_ids"]},
         "validate": {"report": str(work / "validation.json")},
         "output": {"dir": str(work / "dataset"), "prefect_results": str(work / ".prefect-results")}})
     (work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json", by_alias=True)))
@@ -64,13 +69,32 @@ def work(tmp_path_factory, trained_target):
     return work
 
 
-@pytest.fixture(scope="module")
-def report(work):
+def acceptance(work: Path, controls: str) -> dict:
     # 16 held-out prompts: opening turns of demo conversations of seed 2 (the dataset's are seed 0)
     return json.loads(cli("acceptance", str(work / "dataset"), "--out", str(work / "acceptance"), "--controls",
-                          "token-shift,final-layer-off-by-one", "--epochs", str(RECIPE.epochs), "--max-steps", str(RECIPE.max_steps),
+                          controls, "--epochs", str(RECIPE.epochs), "--max-steps", str(RECIPE.max_steps),
                           "--prompts", "16", "--prompt-seed", "2", "--max-tokens", "48", "--dtype", "float32",
                           "--json").strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def trained_target(tmp_path_factory):
+    return trained(tmp_path_factory, "chat")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, trained_target):
+    return extracted(tmp_path_factory, trained_target, CHAT)
+
+
+@pytest.fixture(scope="module")
+def report(work):
+    return acceptance(work, CHAT["controls"])
+
+
+@pytest.fixture(scope="module")
+def keyed_report(tmp_path_factory):
+    return acceptance(extracted(tmp_path_factory, trained(tmp_path_factory, "keyed"), KEYED), KEYED["controls"])
 
 
 def test_the_trained_target_is_seeded_and_recorded(trained_target):
@@ -78,16 +102,22 @@ def test_the_trained_target_is_seeded_and_recorded(trained_target):
     assert record["steps"] == 160 and record["final_loss"] < record["loss_every_10_steps"][0] / 3
 
 
-def test_a_draft_trained_on_the_dataset_is_accepted_and_the_controls_are_not(report):
+def check_control(report: dict, control: str, accepted_at_least: float) -> None:
     drafts = {row["draft"]: row for row in report["drafts"]}
-    right, shifted, final = drafts["none"], drafts["token-shift"], drafts["final-layer-off-by-one"]
-    assert right["acceptance_rate"] >= ACCEPTED_AT_LEAST, right
-    assert shifted["acceptance_rate"] <= CONTROL_AT_MOST * right["acceptance_rate"], (right, shifted)
-    assert final["acceptance_rate"] <= CONTROL_AT_MOST * right["acceptance_rate"], (right, final)
-    assert final["tokens_sha256"] == right["tokens_sha256"]
+    right, wrong = drafts["none"], drafts[control]
+    assert right["acceptance_rate"] >= accepted_at_least, right
+    assert wrong["acceptance_rate"] <= CONTROL_AT_MOST * right["acceptance_rate"], (right, wrong)
     assert right["mean_acceptance_length"] == pytest.approx(1 + right["accepted"] / right["drafts"], abs=1e-4)
     assert len(right["per_position"]) == 3 and right["per_position"][0] >= right["per_position"][-1]
-    assert right["tokens_sha256"] == shifted["tokens_sha256"], "greedy: the target's own tokens whatever the draft"
+    assert right["tokens_sha256"] == wrong["tokens_sha256"], "greedy: the target's own tokens whatever the draft"
+
+
+def test_a_draft_is_accepted_and_one_trained_towards_the_layer_below_the_final_state_is_not(report):
+    check_control(report, "final-layer-off-by-one", CHAT_ACCEPTED_AT_LEAST)
+
+
+def test_a_draft_is_accepted_and_one_trained_on_states_shifted_by_a_token_is_not(keyed_report):
+    check_control(keyed_report, "token-shift", KEYED_ACCEPTED_AT_LEAST)
 
 
 def test_the_layer_ids_vllm_captures_are_the_manifests(report):
