@@ -122,7 +122,7 @@ def _final_from_slot(shift_batch, slot: int, hidden_size: int):
 
 
 def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: DraftRecipe = DraftRecipe(),
-                control: str = "none", threads: int | None = None, device: str = "cpu") -> dict:
+                control: str = "none", device: str = "cpu") -> dict:
     """Train one draft on `export_dir` (a `speculators` export) for `target_dir` on `device` (float32); saved into
     `out_dir` with TRAINING_FILE. Returns that record (recipe, control, layer ids, validation metrics, seconds)."""
     import numpy as np
@@ -139,8 +139,6 @@ def train_draft(export_dir: Path, target_dir: Path, out_dir: Path, recipe: Draft
     if control not in CONTROLS:
         raise ValueError(f"control {control!r}: one of {', '.join(CONTROLS)}")
     started = time.monotonic()
-    if threads:
-        torch.set_num_threads(threads)
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
