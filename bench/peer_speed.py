@@ -12,9 +12,7 @@ one file a sample; the peer writes one safetensors file a sample (its connector'
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import random
 import shutil
 import sys
 import time
@@ -37,9 +35,9 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    import torch
     from acceptance import peer_export
 
+    from eagle_states.bench import random_prompts, write_prompts
     from eagle_states.capture.engine import EngineHolder
     from eagle_states.config import PipelineParams
     from eagle_states.export import export_dataset
@@ -50,11 +48,9 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     layer_ids = [int(k) for k in args.layer_ids.split(",")]
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    prompts = random_prompts(Path(args.model), args.prompts, args.prompt_len)
     source = out / "prompts.jsonl"
-    source.write_text("".join(json.dumps({"id": f"p{i:06d}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    write_prompts(source, prompts)
     tokens = args.prompts * args.prompt_len
     params = PipelineParams.model_validate({
         "model": {"path": args.model, "build_demo_if_missing": False},
@@ -72,10 +68,7 @@ def main():
     started = time.monotonic()
     run_extraction(extraction, progress=False, engines=engines)
     ours_s = time.monotonic() - started
-    engines.close()
-    gc.collect()
-    if torch.cuda.is_available():  # what torch keeps cached of our engine: the peer's engine wants it free at start
-        torch.cuda.empty_cache()
+    engines.close()  # and torch's cache of it handed back: the peer's engine wants the device free at start
     started = time.monotonic()
     assert validate_dataset(out / "dataset", report=out / "validation.json").valid  # export takes valid datasets
     validate_s = time.monotonic() - started
@@ -86,7 +79,8 @@ def main():
     peer = peer_export(Path(args.model), out / "export", out / "peer", layer_ids, args.dtype)
     result = {"model": args.model, "tokens": tokens, "layer_ids": layer_ids, "dtype": args.dtype,
               "seconds": {"plain prefill": round(plain_s, 2), "eagle-states extract": round(ours_s, 2),
-                          "eagle-states validate": round(validate_s, 2), "eagle-states export": round(export_s, 2), "speculators (peer)": peer["seconds"]},
+                          "eagle-states validate": round(validate_s, 2), "eagle-states export": round(export_s, 2),
+                          "speculators (peer)": peer["seconds"]},
               "tokens_per_s": {"plain prefill": round(tokens / plain_s), "eagle-states extract": round(tokens / ours_s),
                                "eagle-states extract + export": round(tokens / (ours_s + export_s)),
                                "speculators (peer)": round(tokens / peer["seconds"])},

@@ -106,25 +106,36 @@ def _peak_gpu_bytes() -> int | None:
         return None
 
 
+def random_prompts(model: Path, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Token ids drawn uniformly from the model's vocabulary (the first ten left out: special tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1000)
+    return [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+
+
+def write_prompts(path: Path, prompts: list[list[int]]) -> None:
+    """An extraction input of token ids, row i with the id b{i:06d}."""
+    Path(path).write_text("".join(json.dumps({"id": f"b{i:06d}", "input_ids": p}) + "\n"
+                                  for i, p in enumerate(prompts)))
+
+
 def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, prompt_len: int, rounds: int,
                   disk_probe_bytes: int, free_written: bool = False, seed: int = 0,
                   codecs: list[str] | None = None) -> dict:
     """`params`: the model and the extract settings (the bench's own prompts replace the input); `codecs`: the
     captures to measure beside plain prefill (default: extract.codec alone)."""
-    import random
     from concurrent.futures import ThreadPoolExecutor
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = Path(params.model.path)
     e = params.extract
-    rng = random.Random(seed)
-    vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 1000)
-    prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
-    rows = [json.dumps({"id": f"b{i:06d}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)]
+    prompts = random_prompts(model, num_prompts, prompt_len, seed)
     source, warm_source = out_dir / "prompts.jsonl", out_dir / "warm-up.jsonl"
-    source.write_text("".join(rows))
-    warm_source.write_text("".join(rows[: max(1, num_prompts // 8)]))
+    write_prompts(source, prompts)
+    write_prompts(warm_source, prompts[: max(1, num_prompts // 8)])
     tokens = num_prompts * prompt_len
 
     codecs = codecs or [params.extract.codec]

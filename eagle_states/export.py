@@ -14,14 +14,13 @@ written atomically, so an interrupted export resumes where it stopped.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
 
 import torch
 
-from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, json_bytes, sha256_file
+from eagle_states.dataset.files import atomic_write_bytes, atomic_write_json, sha256_file
 from eagle_states.dataset.layout import LAYER_SEMANTICS, MANIFEST_FILE, LayerSelection
 from eagle_states.dataset.reader import Dataset, Sample
 from eagle_states.dataset.shard_file import write_shard_file
@@ -113,7 +112,7 @@ def export_dataset(dataset_dir: Path, out: Path, fmt: str, progress: bool = True
             table[i] = (sample.input_ids.tolist(), sample.loss_mask.tolist())
             bar.update()
     if fmt == "speculators":
-        _write_speculators_table(table, out)
+        _write_speculators_table(table, out, fingerprint=source["manifest_sha256"])
         atomic_write_json(out / EAGLE3_FILE, eagle3_record(dataset))
     atomic_write_json(marker, {**source, "written_this_run": written})
     return json.loads(marker.read_text())
@@ -130,8 +129,9 @@ def eagle3_record(dataset: Dataset) -> dict:
             "layer_semantics": LAYER_SEMANTICS, "verifier": dataset.manifest["model"].get("path")}
 
 
-def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path) -> None:
-    """The preprocessed table speculators pairs with hs_{i} (row i), and its token frequencies."""
+def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path, fingerprint: str) -> None:
+    """The preprocessed table speculators pairs with hs_{i} (row i), and its token frequencies; `fingerprint`
+    (`datasets`' cache key): the source manifest's digest, which names the table's content."""
     import shutil
     from collections import Counter
 
@@ -140,14 +140,14 @@ def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path
     from datasets.table import InMemoryTable
 
     freq = Counter(t for ids, mask in table for t, m in zip(ids, mask) if m)
-    # `from_dict`'s types (its input_ids as int32), with a fingerprint of ours: without one, `datasets` hashes the
+    # `from_dict`'s types (its input_ids as int32), with the fingerprint given: without one, `datasets` hashes the
     # whole table through dill, which fails on Python 3.12 with pyarrow 26 ("Can't pickle MonthDayNano")
     features = Features({"input_ids": List(Value("int32")), "loss_mask": List(Value("int64")),
                          "seq_len": Value("int64")})
     columns = {"input_ids": [ids for ids, _ in table], "loss_mask": [mask for _, mask in table],
                "seq_len": [len(ids) for ids, _ in table]}
     hf = HFDataset(InMemoryTable.from_pydict(columns, schema=features.arrow_schema), info=DatasetInfo(features=features),
-                   fingerprint=hashlib.sha256(json_bytes(columns)).hexdigest())
+                   fingerprint=fingerprint)
     hf.set_format(type="torch")  # as speculators' own preprocessing leaves it
     staging = out / ".table.tmp"
     shutil.rmtree(staging, ignore_errors=True)

@@ -235,4 +235,10 @@ def _evaluate(model, val, call: dict, device: str) -> dict:
                 sums[key] = sums.get(key, 0.0) + float(value)
             batches += 1
     means = normalize_counted_metrics({k: v / max(1, batches) for k, v in sums.items()})
-    return {k: round(v, 4) for k, v in sorted(means.items()) if k == "loss" or k.startswith(("full_acc", "cond_acc"))}
+    return reported_metrics(means)
+
+
+def reported_metrics(means: dict) -> dict:
+    """Of speculators' validation means, the ones a draft's record keeps: loss, full_acc_k, cond_acc_k."""
+    return {k: round(float(v), 4) for k, v in sorted(means.items())
+            if k == "loss" or k.startswith(("full_acc", "cond_acc"))}

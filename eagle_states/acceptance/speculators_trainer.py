@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from eagle_states.acceptance.draft import TRAINING_FILE, DraftRecipe, eagle3_layers
+from eagle_states.acceptance.draft import TRAINING_FILE, DraftRecipe, eagle3_layers, reported_metrics
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -94,13 +94,8 @@ def train_draft_with_speculators(export_dir: Path, target_dir: Path, out_dir: Pa
 
 
 def _val_metrics(val: dict) -> dict:
-    """speculators' per-epoch validation record in `draft.train_draft`'s names (loss, full_acc_k, cond_acc_k)."""
-    out = {}
-    for key, value in val.items():
-        name = key.removesuffix("_epoch")
-        if name == "loss" or name.startswith(("full_acc", "cond_acc")):
-            out[name] = round(float(value), 4)
-    return dict(sorted(out.items()))
+    """speculators' per-epoch validation record (keys ending `_epoch`) in `draft.train_draft`'s names."""
+    return reported_metrics({key.removesuffix("_epoch"): value for key, value in val.items()})
 
 
 def _record_metrics(path: str) -> None:

@@ -432,13 +432,23 @@ class CaptureEngine:
             log.exception("could not reset the capture engine")
 
     def close(self):
-        import gc
-
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
             del llm
-            gc.collect()
+            free_device_memory()
+
+
+def free_device_memory() -> None:
+    """After an engine is dropped: its memory collected, and what torch's allocator still caches of it handed back
+    to the device (vLLM's shutdown does not), since the next engine wants its share of the device free at start."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class EngineHolder:

@@ -64,18 +64,6 @@ def _captured_layers(worker) -> list[int]:  # runs in the worker (collective_rpc
     return [int(k) for k in (getattr(getattr(model, "model", model), "aux_hidden_state_layers", None) or [])]
 
 
-def _free_device_memory() -> None:
-    """The engine ran in this process: what torch's allocator still caches of it is handed back, since the next
-    engine (the next draft's) wants its share of the device free when it starts."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]], *, num_speculative_tokens: int = 3,
                        max_tokens: int = 96, max_num_seqs: int = 16, max_model_len: int = 2048,
                        dtype: str = "auto") -> Acceptance:
@@ -88,7 +76,7 @@ def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]], *, n
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.v1.metrics.reader import Counter, Vector
 
-    from eagle_states.capture.engine import running_on_cpu
+    from eagle_states.capture.engine import free_device_memory, running_on_cpu
 
     llm = LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               enforce_eager=True, enable_prefix_caching=False, seed=0, disable_log_stats=False,
@@ -115,7 +103,7 @@ def measure_acceptance(target: Path, draft: Path, prompts: list[list[int]], *, n
                 counters[metric.name] = list(metric.values)
     finally:
         del llm
-        _free_device_memory()
+        free_device_memory()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None)
     return Acceptance(
