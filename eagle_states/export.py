@@ -112,7 +112,7 @@ def export_dataset(dataset_dir: Path, out: Path, fmt: str, progress: bool = True
             table[i] = (sample.input_ids.tolist(), sample.loss_mask.tolist())
             bar.update()
     if fmt == "speculators":
-        _write_speculators_table(table, out, fingerprint=source["manifest_sha256"])
+        _write_speculators_table(table, out)
         atomic_write_json(out / EAGLE3_FILE, eagle3_record(dataset))
     atomic_write_json(marker, {**source, "written_this_run": written})
     return json.loads(marker.read_text())
@@ -129,9 +129,9 @@ def eagle3_record(dataset: Dataset) -> dict:
             "layer_semantics": LAYER_SEMANTICS, "verifier": dataset.manifest["model"].get("path")}
 
 
-def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path, fingerprint: str) -> None:
-    """The preprocessed table speculators pairs with hs_{i} (row i), and its token frequencies; `fingerprint`
-    (`datasets`' cache key): the source manifest's digest, which names the table's content."""
+def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path) -> None:
+    """The preprocessed table speculators pairs with hs_{i} (row i), and its token frequencies."""
+    import hashlib
     import shutil
     from collections import Counter
 
@@ -146,8 +146,14 @@ def _write_speculators_table(table: list[tuple[list[int], list[int]]], out: Path
                          "seq_len": Value("int64")})
     columns = {"input_ids": [ids for ids, _ in table], "loss_mask": [mask for _, mask in table],
                "seq_len": [len(ids) for ids, _ in table]}
-    hf = HFDataset(InMemoryTable.from_pydict(columns, schema=features.arrow_schema), info=DatasetInfo(features=features),
-                   fingerprint=fingerprint)
+    arrow = InMemoryTable.from_pydict(columns, schema=features.arrow_schema)
+    # `datasets`' cache key names the table's content, not its source: the same samples stored with another codec
+    # (another manifest) export the same bytes
+    digest = hashlib.sha256()
+    for column in arrow.table.columns:
+        for buffer in column.combine_chunks().buffers():
+            digest.update(b"" if buffer is None else memoryview(buffer))
+    hf = HFDataset(arrow, info=DatasetInfo(features=features), fingerprint=digest.hexdigest()[:16])
     hf.set_format(type="torch")  # as speculators' own preprocessing leaves it
     staging = out / ".table.tmp"
     shutil.rmtree(staging, ignore_errors=True)
