@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from eagle_states.capture.engine import CaptureEngine, EngineSettings, FollowUp, Generated, Generation, ShardJob
+from eagle_states.capture.engine import CaptureEngine, EngineSettings
+from eagle_states.capture.generation import FollowUp, Generated, Generation
+from eagle_states.capture.worker_calls import ShardJob
 from eagle_states.config import PipelineParams, PrepareParams
 from eagle_states.dataset.capture_format import CAPTURE_FORMAT_VERSION
 from eagle_states.dataset.files import atomic_write_bytes, hash_files, hash_json, sha256_file

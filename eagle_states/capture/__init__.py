@@ -1,6 +1,8 @@
 """The vLLM boundary: every `import vllm` of the project lives in this package.
 
     engine.py     the engine driver (`CaptureEngine`), its holders and the admission rule
+      worker_calls.py   its calls to every rank's worker, and the shards they write until reported
+      generation.py     its generation loop (the regenerate step)
     protocol.py   the driver <-> worker calls and replies, typed and checked on both sides
     worker.py     the worker extension: the driver's calls to a worker's capture, made of
       forward.py        the forward path: hooks, the pinned pool, each step's device-to-host hand-off

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-import numpy as np
-
 from eagle_states.capture import CHECKED_VLLM_VERSIONS, was_checked
 from eagle_states.capture import protocol as p
-from eagle_states.capture.protocol import GENERATING_KEY, SAMPLE_ID_KEY, CaptureError
-from eagle_states.dataset.codec import Codec
-from eagle_states.dataset.layout import shard_sample_order
+from eagle_states.capture.generation import FollowUp, Generated, Generation, generate
+from eagle_states.capture.protocol import SAMPLE_ID_KEY, CaptureError
+from eagle_states.capture.worker_calls import CaptureWorkers, ShardJob, ShardResult, in_file_order
 from eagle_states.dataset.prepared import InputSample
 
 log = logging.getLogger(__name__)
@@ -51,89 +47,6 @@ class EngineSettings:
     extra_engine_args: dict = field(default_factory=dict, hash=False)
 
 
-@dataclass
-class ShardJob:
-    name: str
-    path: Path
-    samples: list[InputSample]
-    codec: Codec = Codec()
-
-
-@dataclass
-class ShardResult:
-    name: str
-    digest: str  # dataset.files.SHARD_DIGEST
-    bytes: int
-    num_tokens: dict[str, int]
-    path: Path  # the shard's file (names repeat across datasets)
-
-
-@dataclass(frozen=True, eq=False)
-class Generation:
-    """A request to generate: the prompt's token ids, at most `max_new_tokens` tokens, ended by any of `stop_ids`
-    (kept as the last token). `capture`: the states are captured while it generates (prompt and generated tokens)."""
-    key: str  # unique among the requests of one `generate` call
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None  # the request's own generator: the draws do not depend on the batch
-    capture: bool = False
-
-
-@dataclass(frozen=True)
-class Generated:
-    key: str
-    prompt_ids: list[int]
-    token_ids: list[int]  # what it generated; ends with the stop token when `stopped`
-    stopped: bool  # False: cut at max_new_tokens
-
-
-@dataclass
-class FollowUp:
-    """What the caller of `generate` does after a generation: more requests (queued before those not yet
-    added), the sample id that a captured generation's states are kept as (None: they are dropped), and shards of
-    captured samples to write."""
-    requests: list[Generation] = field(default_factory=list)
-    keep_capture_as: str | None = None
-    shards: list["ShardJob"] = field(default_factory=list)
-
-
-class _Running:
-    """A generation in the engine: where its tokens have been looked at for a stop token."""
-
-    __slots__ = ("request", "scanned", "stop_at")
-
-    def __init__(self, request: Generation):
-        self.request, self.scanned, self.stop_at = request, 0, None
-
-    def ended(self, tokens: list[int]) -> Generated | None:
-        """The generation's result once decided. A captured one runs one step past its last token: that step feeds
-        the last token, whose row the sample needs (a generation never feeds its own last token otherwise)."""
-        request = self.request
-        extra = int(request.capture)
-        limit = min(len(tokens), request.max_new_tokens)
-        while self.stop_at is None and self.scanned < limit:
-            if tokens[self.scanned] in request.stop_ids:
-                self.stop_at = self.scanned
-            self.scanned += 1
-        if self.stop_at is not None:
-            end, stopped = self.stop_at + 1, True
-        elif len(tokens) >= request.max_new_tokens:
-            end, stopped = request.max_new_tokens, False
-        else:
-            return None
-        if len(tokens) < end + extra:
-            return None
-        return Generated(request.key, request.prompt_ids, list(tokens[:end]), stopped)
-
-
-def ids_crc(input_ids: list[int]) -> int:
-    """The checksum workers report for the token ids they saw (int32, as the runner holds them)."""
-    return zlib.crc32(np.asarray(input_ids, dtype=np.int32).tobytes())
-
-
 def first_step_fits_beside(running: list[InputSample], samples: list[InputSample], settings: EngineSettings,
                            kv_cache: p.SetupReply) -> bool:
     """Whether the scheduler's first step of `samples` (admitted in this order, first come first served) is the
@@ -152,6 +65,12 @@ def first_step_fits_beside(running: list[InputSample], samples: list[InputSample
         return kv_cache.kv_cache_groups * sum(-(-len(x.input_ids) // per_block) + 1 for x in group)
     return (len(running) + len(first) <= settings.max_num_seqs
             and blocks(running) + blocks(first) < kv_cache.kv_cache_blocks)  # block 0 is vLLM's null block
+
+
+def _prefill_params(sample_id: str):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={SAMPLE_ID_KEY: sample_id})
 
 
 class CaptureEngine:
@@ -183,8 +102,8 @@ class CaptureEngine:
             tensor_parallel_size=settings.tensor_parallel_size, seed=SEED,
             enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=True,
             worker_extension_cls=WORKER_EXTENSION, **engine_args)
-        self.world_size = settings.tensor_parallel_size
-        setup = self._rpc(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
+        self.workers = CaptureWorkers(self.llm, settings.tensor_parallel_size)
+        setup = self.workers.call(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
                                   hidden_size=settings.hidden_size, write_threads=settings.write_threads,
                                   host_buffer_bytes=settings.host_buffer_bytes))
         if not was_checked(setup.vllm_version):
@@ -197,22 +116,6 @@ class CaptureEngine:
         self.kv_cache = setup
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self._request_counter = 0
-        self._queued: dict[str, ShardJob] = {}  # shard path -> job whose file is being written
-        self._reports: dict[str, dict[int, dict]] = {}  # shard path -> rank -> that rank's report
-
-    def _rpc_all(self, call: p.Message) -> list[p.Envelope]:
-        """Call every worker; returns their envelopes once checked (`protocol.check_replies`)."""
-        return p.check_replies(self.llm.collective_rpc(p.ENTRY_POINT, args=(call,)), call, self.world_size)
-
-    def _rpc(self, call: p.Message):
-        """Call every worker; returns the writer rank's reply."""
-        return p.writer_payload(self._rpc_all(call))
-
-    def _sampling_params(self, sample_id: str):
-        from vllm import SamplingParams
-
-        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                              extra_args={SAMPLE_ID_KEY: sample_id})
 
     def extract(self, jobs: Iterable[ShardJob]) -> Iterator[ShardResult]:
         """Capture every job's samples; yields each shard once its file is on disk (`serve` over a fixed list)."""
@@ -242,41 +145,34 @@ class CaptureEngine:
                     if in_flight:
                         yield from self._step(in_flight, set())
                         job = next_job(0)
-                    elif self._queued:  # files still being written
-                        yield from self._collect(wait=False)
+                    elif self.workers.writing:  # files still being written
+                        yield from self.workers.collect(wait=False)
                         job = next_job(WRITE_POLL_S)
                     else:
                         job = next_job(None)
                     continue
                 if not job.samples:
                     raise ValueError(f"shard {job.name} has no samples")
-                samples = self._begin_shard(job)
+                samples = self.workers.begin_shard(job)
                 for sample in samples:
-                    self._request_counter += 1
-                    request_id = f"{job.name}:{sample.sample_id}:{self._request_counter}"
+                    request_id = self.request_id(job.name, sample.sample_id)
                     self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
-                                                    self._sampling_params(sample.sample_id))
+                                                    _prefill_params(sample.sample_id))
                     in_flight[request_id] = sample
                 unlaunched = {s.sample_id for s in samples}
                 while unlaunched:
                     yield from self._step(in_flight, unlaunched)
-                self._rpc(p.EndShard(path=str(job.path)))  # returns at once: the workers finish writing it
+                self.workers.call(p.EndShard(path=str(job.path)))  # returns at once: the workers finish writing it
                 job = next_job(0)
                 while job is not None and job is not END and in_flight and not first_step_fits_beside(
-                        list(in_flight.values()), self._in_file_order(job), self.settings, self.kv_cache):
+                        list(in_flight.values()), in_file_order(job), self.settings, self.kv_cache):
                     yield from self._step(in_flight, set())
             while in_flight:
                 yield from self._step(in_flight, set())
-            yield from self._collect(wait=True)
+            yield from self.workers.collect(wait=True)
         except BaseException:
             self.reset(list(in_flight))
             raise
-
-    @staticmethod
-    def _in_file_order(job: ShardJob) -> list[InputSample]:
-        """A shard's samples in its file's order: admitted so, they are captured in the order they are written."""
-        by_id = {s.sample_id: s for s in job.samples}
-        return [by_id[sid] for sid in shard_sample_order(list(by_id))]
 
     def _step(self, in_flight: dict[str, InputSample], unlaunched: set[str]) -> Iterator[ShardResult]:
         """One engine step; forgets finished requests and launched samples, yields the shards written since."""
@@ -287,117 +183,23 @@ class CaptureEngine:
         for output in engine.step():
             if output.finished:
                 in_flight.pop(output.request_id, None)
-        yield from self._collect(wait=False, unlaunched=unlaunched)
-
-    def _collect(self, wait: bool, unlaunched: set[str] | None = None) -> Iterator[ShardResult]:
-        """Shards every rank has reported (the writer with the file's hash), checked against the prompts; samples
-        the writer rank saw launched leave `unlaunched`."""
-        if not self._queued:
-            return
-        for reply in self._rpc_all(p.Poll(wait=wait)):
-            if reply.writer and unlaunched is not None:
-                unlaunched.difference_update(reply.payload.launched)
-            for path, report in reply.payload.shards.items():
-                self._reports[path][reply.rank] = report
-        for path in list(self._queued):
-            if len(self._reports[path]) < self.world_size:
-                if wait:
-                    raise CaptureError(f"shard {path}: ranks {sorted(self._reports[path])} reported after waiting")
-                continue
-            report = p.check_shard_agreement(self._reports.pop(path), self.world_size, path)
-            job = self._queued.pop(path)
-            for sample in job.samples:
-                seen, expected = report.samples.get(sample.sample_id), (len(sample.input_ids),
-                                                                        ids_crc(sample.input_ids))
-                if seen != expected:
-                    raise CaptureError(f"shard {job.name}, sample {sample.sample_id}: the worker captured "
-                                       f"(tokens, ids crc) = {seen}, the prompt is {expected}")
-            yield ShardResult(job.name, report.digest, report.bytes,
-                              {s.sample_id: len(s.input_ids) for s in job.samples}, job.path)
+        yield from self.workers.collect(wait=False, unlaunched=unlaunched)
 
     def generate(self, requests: Iterable[Generation], on_generated: Callable[[Generated | None], FollowUp]
                  ) -> Iterator[ShardResult]:
-        """Generate `requests` (taken as room frees up) and what `on_generated` asks for after each result; yields
-        the shards of captured samples once their files are on disk. `on_generated(None)` is called once nothing
-        is left to generate (for the last shards). Stop tokens are found here, not by vLLM (`ignore_eos`), so that
-        a captured generation can run the one step more that its last token's row needs; the others are aborted at
-        their stop token.
+        """Generate `requests` and what `on_generated` asks for after each result, capturing those flagged to
+        capture; yields their shards once written (`generation.generate`)."""
+        return generate(self, requests, on_generated)
 
-        Requests are added at points fixed by the results before them (vLLM's engine core runs in this process),
-        so the same requests give the same batches, and with seeded requests the same tokens and bytes."""
-        source, queued = iter(requests), deque()
-        running: dict[str, _Running] = {}
-        room = 2 * self.settings.max_num_seqs  # enough waiting that a freed sequence slot is filled at once
-        try:
-            while True:
-                while len(running) < room:
-                    request = queued.popleft() if queued else next(source, None)
-                    if request is None:
-                        break
-                    self._request_counter += 1
-                    request_id = f"generate:{request.key}:{self._request_counter}"
-                    self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids},
-                                                    self._generation_params(request, request_id))
-                    running[request_id] = _Running(request)
-                if not running:
-                    self._follow(on_generated(None), queued)
-                    if not queued:
-                        break
-                    continue
-                for output in self.llm.llm_engine.step():
-                    state = running.get(output.request_id)
-                    if state is None:
-                        continue
-                    result = state.ended(output.outputs[0].token_ids)
-                    if result is None:
-                        if output.finished:
-                            raise CaptureError(f"generation {state.request.key}: vLLM ended it "
-                                               f"({output.outputs[0].finish_reason}) before its end was reached")
-                        continue
-                    del running[output.request_id]
-                    if not output.finished:
-                        self.llm.llm_engine.abort_request([output.request_id])
-                    self._follow(on_generated(result), queued, output.request_id, state.request, result)
-                yield from self._collect(wait=False)
-            yield from self._collect(wait=True)
-        except BaseException:
-            self.reset(list(running))
-            raise
-
-    def _follow(self, follow: FollowUp, queued: deque, request_id: str | None = None,
-                request: Generation | None = None, result: Generated | None = None) -> None:
-        if request is not None and request.capture:
-            self._rpc(p.FinishGeneration(key=request_id, sample_id=follow.keep_capture_as,
-                                         num_tokens=len(result.prompt_ids) + len(result.token_ids)))
-        queued.extend(follow.requests)
-        for job in follow.shards:  # its samples are captured already: the writer takes them at once
-            self._begin_shard(job)
-            self._rpc(p.EndShard(path=str(job.path)))
-
-    def _begin_shard(self, job: ShardJob) -> list[InputSample]:
-        """Queue a shard's plan with the workers and await its report; returns its samples in the file's order."""
-        samples = self._in_file_order(job)
-        self._rpc(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
-                               num_tokens=[len(s.input_ids) for s in samples],
-                               loss_masks=[s.loss_mask for s in samples], codec=job.codec))
-        self._queued[str(job.path)] = job
-        self._reports[str(job.path)] = {}
-        return samples
-
-    def _generation_params(self, request: Generation, request_id: str):
-        from vllm import SamplingParams
-
-        # the worker keeps a captured generation's rows under its request id (unique for the engine's life) until
-        # `FinishGeneration` names its sample
-        extra = {SAMPLE_ID_KEY: request_id, GENERATING_KEY: True} if request.capture else None
-        return SamplingParams(max_tokens=request.max_new_tokens + int(request.capture),
-                              temperature=request.temperature, top_p=request.top_p, seed=request.seed,
-                              ignore_eos=True, detokenize=False, extra_args=extra)
+    def request_id(self, prefix: str, key: str) -> str:
+        """A request id unique for the engine's life."""
+        self._request_counter += 1
+        return f"{prefix}:{key}:{self._request_counter}"
 
     def capture_stats(self) -> p.StatsReply:
         """The writer rank's counters (`protocol.StatsReply`; the gap before the first pass after each call is
         not counted)."""
-        return self._rpc(p.Stats())
+        return self.workers.call(p.Stats())
 
     def plain_prefill(self, prompts: list[list[int]]) -> None:
         """Prefill without capture (requests without a sample id are not captured): the bench's baseline."""
@@ -414,7 +216,7 @@ class CaptureEngine:
             return True
         try:
             self.plain_prefill([[0]])
-            self._rpc(p.Poll(wait=False))
+            self.workers.call(p.Poll(wait=False))
             return False
         except Exception:
             return True
@@ -426,8 +228,7 @@ class CaptureEngine:
                 self.llm.llm_engine.abort_request(list(request_ids))
             while self.llm.llm_engine.has_unfinished_requests():
                 self.llm.llm_engine.step()
-            self._rpc(p.Discard())
-            self._queued, self._reports = {}, {}
+            self.workers.discard()
         except Exception:  # a dead engine cannot be reset; the caller restarts it
             log.exception("could not reset the capture engine")
 

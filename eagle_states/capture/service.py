@@ -15,7 +15,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from eagle_states.capture.engine import END, CaptureEngine, ShardJob, ShardResult
+from eagle_states.capture.engine import END, CaptureEngine
+from eagle_states.capture.worker_calls import ShardJob, ShardResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
-from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings, ShardJob, ShardResult
+from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings
+from eagle_states.capture.worker_calls import ShardJob, ShardResult
 from eagle_states.capture.handoff import blocks_held, pinned_blocks
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout

@@ -98,15 +98,15 @@ def test_warmup_and_decode_rows_are_never_stored(tmp_path, llama_model, engines,
     prompt = random_prompts([70], 300, seed=7)[0]
     # A plain generation (no sample id), like a warm-up: the worker must record nothing.
     engine.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert engine._rpc(p.Discard()).samples == []
+    assert engine.workers.call(p.Discard()).samples == []
     # A captured request that also decodes: only its 70 prompt rows may be stored.
     engine.llm.generate([{"prompt_token_ids": prompt}],
                         SamplingParams(max_tokens=5, ignore_eos=True, extra_args={SAMPLE_ID_KEY: "decoding"}),
                         use_tqdm=False)
     path = tmp_path / "decode.safetensors"
-    engine._rpc(p.BeginShard(path=str(path), sample_ids=["decoding"], num_tokens=[70], loss_masks=[[1] * 70]))
-    engine._rpc(p.EndShard(path=str(path)))
-    assert engine._rpc(p.Poll(wait=True)).shards[str(path)].samples["decoding"][0] == 70
+    engine.workers.call(p.BeginShard(path=str(path), sample_ids=["decoding"], num_tokens=[70], loss_masks=[[1] * 70]))
+    engine.workers.call(p.EndShard(path=str(path)))
+    assert engine.workers.call(p.Poll(wait=True)).shards[str(path)].samples["decoding"][0] == 70
     from safetensors.torch import load_file
 
     tensors = load_file(path)
@@ -128,7 +128,7 @@ def test_a_shard_given_up_half_way_leaves_no_file_and_a_clean_engine(tmp_path, l
     engine = engines.engine
     first, second = random_prompts([90, 30], 300, seed=11)
     path = tmp_path / "given-up.safetensors"
-    engine._rpc(p.BeginShard(path=str(path), sample_ids=["a", "b"], num_tokens=[90, 30],
+    engine.workers.call(p.BeginShard(path=str(path), sample_ids=["a", "b"], num_tokens=[90, 30],
                              loss_masks=[[1] * 90, [1] * 30]))
     engine.llm.generate([{"prompt_token_ids": first}],
                         SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "a"}), use_tqdm=False)
@@ -139,11 +139,11 @@ def test_a_shard_given_up_half_way_leaves_no_file_and_a_clean_engine(tmp_path, l
     engine.reset()  # "b" never comes
     assert list(tmp_path.iterdir()) == []
     again = tmp_path / "again.safetensors"
-    engine._rpc(p.BeginShard(path=str(again), sample_ids=["b"], num_tokens=[30], loss_masks=[[1] * 30]))
+    engine.workers.call(p.BeginShard(path=str(again), sample_ids=["b"], num_tokens=[30], loss_masks=[[1] * 30]))
     engine.llm.generate([{"prompt_token_ids": second}],
                         SamplingParams(max_tokens=1, extra_args={SAMPLE_ID_KEY: "b"}), use_tqdm=False)
-    engine._rpc(p.EndShard(path=str(again)))
-    report = engine._rpc(p.Poll(wait=True)).shards[str(again)]
+    engine.workers.call(p.EndShard(path=str(again)))
+    report = engine.workers.call(p.Poll(wait=True)).shards[str(again)]
     assert report.digest == file_digest(again) and report.samples["b"][0] == 30
     from safetensors.torch import load_file
 
