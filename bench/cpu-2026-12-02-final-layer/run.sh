@@ -5,35 +5,8 @@
 set -euo pipefail
 B=$PWD/.venv/bin
 W=$(realpath -m "${1:-/tmp/acc/w1}")
-RECIPE=${2:-chat}
-IDS=${3:-2,4,7,8}
-COUNT=${4:-300}
-mkdir -p "$W"
-[ -d "$W/target-$RECIPE" ] || $B/eagle-states make-demo-model "$W/target-$RECIPE" --train-steps 160 --recipe "$RECIPE"
-$B/python - "$W" "$RECIPE" "$IDS" "$COUNT" <<'PY'
-import sys
-from pathlib import Path
-
-import yaml
-
-from eagle_states.config import PipelineParams
-from eagle_states.demo import write_demo_conversations
-
-work, recipe, ids, count = Path(sys.argv[1]), sys.argv[2], [int(k) for k in sys.argv[3].split(",")], int(sys.argv[4])
-params = PipelineParams.model_validate({
-    "model": {"path": str(work / f"target-{recipe}"), "build_demo_if_missing": False},
-    "data": {"path": str(write_demo_conversations(work / "conversations.jsonl", count=count, seed=0, recipe=recipe))},
-    "prepare": {"out": str(work / "prepared"), "max_length": 1024},
-    "extract": {"dtype": "float32", "max_model_len": 1280, "max_num_batched_tokens": 4096,
-                "shard_max_tokens": 16384, "layer_ids": ids},
-    "validate": {"report": str(work / "validation.json")},
-    "output": {"dir": str(work / "dataset"), "prefect_results": str(work / ".prefect-results")}})
-(work / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json", by_alias=True)))
-PY
+bash "$(dirname "$0")/dataset.sh" "$W" "${2:-chat}" "${3:-2,4,7,8}" "${4:-300}"
 cd "$W"
-$B/eagle-states prepare --params params.yaml --no-progress
-$B/eagle-states extract --params params.yaml --no-progress
-$B/eagle-states validate --params params.yaml
 common="--epochs 1 --max-steps 40 --prompts 16 --prompt-seed 2 --max-tokens 48 --dtype float32"
 $B/eagle-states acceptance dataset --out acceptance $common --seed 0 \
     --controls token-shift,final-layer-off-by-one,layer-off-by-one
