@@ -4,10 +4,10 @@
 #   bash bench/cpu-2026-12-02-final-layer/dataset.sh WORK RECIPE LAYER_IDS COUNT    (from the repository root)
 set -euo pipefail
 B=$PWD/.venv/bin
-W=$(realpath -m "${1:-/tmp/acc/w1}")
-RECIPE=${2:-chat}
-IDS=${3:-2,4,7,8}
-COUNT=${4:-300}
+W=$(realpath -m "${1:?WORK}")  # the defaults are the callers' (run.sh's)
+RECIPE=${2:?RECIPE}
+IDS=${3:?LAYER_IDS}
+COUNT=${4:?COUNT}
 mkdir -p "$W"
 [ -d "$W/target-$RECIPE" ] || $B/eagle-states make-demo-model "$W/target-$RECIPE" --train-steps 160 --recipe "$RECIPE"
 $B/python - "$W" "$RECIPE" "$IDS" "$COUNT" <<'PY'

@@ -104,8 +104,8 @@ class CaptureEngine:
             worker_extension_cls=WORKER_EXTENSION, **engine_args)
         self.workers = CaptureWorkers(self.llm, settings.tensor_parallel_size)
         setup = self.workers.call(p.Setup(layer_ids=list(settings.layer_ids), num_layers=settings.num_layers,
-                                  hidden_size=settings.hidden_size, write_threads=settings.write_threads,
-                                  host_buffer_bytes=settings.host_buffer_bytes))
+                                          hidden_size=settings.hidden_size, write_threads=settings.write_threads,
+                                          host_buffer_bytes=settings.host_buffer_bytes))
         if not was_checked(setup.vllm_version):
             log.warning("vLLM %s was not checked with this capture (checked: %s); it runs, and its version is "
                         "recorded in the manifest. Check it on your GPU before trusting its datasets: python "
