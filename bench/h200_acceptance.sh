@@ -2,8 +2,11 @@
 # between calls made back to back):
 #   bash bench/h200_acceptance.sh setup        the wheels of .whl/ (speculators and what it imports) into /tmp/site
 #   bash bench/h200_acceptance.sh target       a larger keyed target trained on the GPU
-#   bash bench/h200_acceptance.sh acceptance   extraction -> drafts (speculators train itself, this project's loop,
-#                                              the controls) -> vLLM's EAGLE-3 acceptance, side by side
+#   bash bench/h200_acceptance.sh acceptance   extraction -> drafts (this project's loop on speculators' model, the
+#                                              controls) -> vLLM's EAGLE-3 acceptance, side by side
+#   bash bench/h200_acceptance.sh speculators  the correct draft trained by `speculators train` itself, beside the
+#                                              acceptance stage's (resumed, served again): a stage of its own, so
+#                                              that a failure of speculators' trainer costs no other figure
 #   bash bench/h200_acceptance.sh peer         extraction speed: plain prefill, ours, speculators' data generation,
 #                                              one run, Llama-3.1-8B shape (random weights)
 # Needs vLLM from ../shared/gpukit installed on the machine (/tmp/site). Results go to $OUT.
@@ -12,6 +15,7 @@ source /tmp/site/kit_env.sh
 export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
 OUT=${OUT:-/tmp/out}
 W=/tmp/acc
+RECIPE="--epochs 4 --max-steps 1000 --prompts 64 --max-tokens 64"  # 4,000 conversations: about 350 draft steps
 mkdir -p "$OUT" "$W"
 case "${1:?stage}" in
 setup)
@@ -25,9 +29,15 @@ target)
 acceptance)
     python3 bench/cpu-2026-12-02-final-layer/probe_lens.py "$W/target" --conversations 100 | tee "$OUT/probe_lens.json"
     python3 bench/acceptance.py --model "$W/target" --out "$W/bench" --conversations 4000 --layer-ids 2,6,11,12 \
-        --dtype bfloat16 --device cuda --speculators-train --epochs 3 --max-steps 1000 --prompts 64 --max-tokens 64 \
+        --dtype bfloat16 --device cuda $RECIPE \
         --controls token-shift,final-layer-off-by-one,layer-off-by-one,layer-off-by-one-down --skip peer,regenerated \
-        --json "$OUT/acceptance.json" 2>&1 | tee "$OUT/acceptance.log" | grep -v "^\(INFO\|DEBUG\)"
+        --json "$OUT/acceptance.json" 2>&1 | tee "$OUT/acceptance.log" | grep -v "^\(INFO\|DEBUG\)" ;;
+speculators)
+    python3 -m eagle_states acceptance "$W/bench/original/dataset" --out "$W/bench/original/acceptance" \
+        --model "$W/target" --dtype bfloat16 --device cuda $RECIPE --speculators-train --controls "" \
+        >"$OUT/acceptance-speculators-train.log" 2>&1
+    echo "exit $?"; tail -4 "$OUT/acceptance-speculators-train.log"
+    cp "$W/bench/original/acceptance/acceptance.json" "$OUT/acceptance-speculators-train.json"
     cp "$W/bench/original/acceptance/draft-speculators-train.run/train.log" "$OUT/speculators-train.log" 2>/dev/null ;;
 peer)
     [ -d /tmp/m8b ] || python3 /tmp/kit/make_model.py /tmp/m8b >/dev/null

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   bash bench/h200_host.sh check|dsv3-disk|dsv3-shm|rss|llama8b
+#   bash bench/h200_host.sh check|gil|dsv3-disk|dsv3-shm [CODECS]|rss|llama8b
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -23,9 +23,12 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
   dsv3-disk)
     make_dsv3
     bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 --codecs none,nvcomp-ans,fp8-e4m3 ;;
+  gil)  # does nvCOMP's host API stop the forward thread's kernel launches while it waits? (bench/RESULTS.md)
+    python3 bench/nvcomp_gil_check.py 2>&1 | tee "$OUT/nvcomp_gil_check.txt" ;;
   dsv3-shm)
     make_dsv3
-    bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --rounds 2 --codecs none ;;
+    bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds 2 \
+        --codecs ${2:-none} ;;
   rss)  # the same tokens per round (393,216) in samples of 4K, 16K and 64K tokens (${2:-all three}); the demo
         # model says 8,192 positions: a copy saying 131,072 (random weights: RoPE runs at any position)
     make_dsv3

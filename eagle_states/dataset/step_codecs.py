@@ -203,7 +203,12 @@ class NvcompStepEncoder:
             self.out = torch.empty(out_offsets[-1], dtype=torch.uint8, device=stacked.device)
         out = nvcomp.as_arrays(self.out, out_offsets[:-1], room, cuda_stream=self.stream.cuda_stream)
         codec.encode(nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream), out=out)
-        stored = out.buffer_sizes  # waits for the encoder
+        # wait for the encoder through torch, which lets go of the GIL while it waits: nvCOMP's `buffer_sizes`
+        # waits holding it, and the forward thread, which launches the model's kernels one by one, stops meanwhile
+        encoded = torch.cuda.Event()
+        encoded.record(self.stream)
+        encoded.synchronize()
+        stored = out.buffer_sizes
         data = torch.cat([self.out[at:at + size] for at, size in zip(out_offsets, stored)])
         return EncodedStep(data, layers, rows, width, stacked.dtype, tuple(spans), tuple(stored))
 
