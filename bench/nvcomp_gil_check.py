@@ -3,7 +3,7 @@ took 2.1 x their device time, from the forward thread or from the assembler thre
 
 A "forward" thread launches small kernels one at a time, as vLLM's eager forward pass does (each launch needs the
 GIL); an "encoder" thread encodes a captured-step-sized [L, R, H] bf16 tensor in a loop on its own stream, in
-three ways: not at all, waiting for nVCOMP's output sizes in nvCOMP's `buffer_sizes` (the capture before this
+three ways: not at all, waiting for nvCOMP's output sizes in nvCOMP's `buffer_sizes` (the capture before this
 check), and waiting through a torch CUDA event first (`NvcompStepEncoder` now). Prints the forward thread's
 launches per second and the encoder's GB/s in each; the forward's rate should not fall with the encoder on.
 
