@@ -1,17 +1,23 @@
 """Does nvcomp-ans slow the model's forward passes by holding the GIL? (#29: while it encodes, the forward passes
 took 2.1 x their device time, from the forward thread or from the assembler thread alike.)
 
-A "forward" thread launches small kernels one at a time, as vLLM's eager forward pass does (each launch needs the
-GIL); an "encoder" thread encodes a captured-step-sized [L, R, H] bf16 tensor in a loop on its own stream, in
-three ways: not at all, waiting for nvCOMP's output sizes in nvCOMP's `buffer_sizes` (the capture before this
-check), and waiting through a torch CUDA event first (`NvcompStepEncoder` now). Prints the forward thread's
-launches per second and the encoder's GB/s in each; the forward's rate should not fall with the encoder on.
+Two parts. The probe times each nvCOMP call from the host (`as_arrays`, `encode`, `buffer_sizes`) with a 1-ms
+ticker thread beside it: the ticker's longest gap during a call is how long that call held the GIL. `encode` is
+called once with the stream idle and once behind 50 ms of queued device work: if it waits for its input holding
+the GIL, its call and the ticker's gap grow by those 50 ms.
+
+Then the capture's pattern: a "forward" thread launches steps of small kernels (each launch needs the GIL) and hands
+each step's event to an "encoder" thread, which encodes a captured-step-sized [L, R, H] bf16 tensor once per step,
+in three ways: not at all; after `stream.wait_event(step)` (the capture before this check: nvCOMP's calls wait
+behind the step's kernels); after `step.synchronize()` on the host (torch lets go of the GIL while it waits; the
+capture now). Prints the forward thread's launches per second against alone; they should not fall.
 
     python3 bench/nvcomp_gil_check.py [--seconds 5] [--layers 4] [--rows 16384] [--hidden 7168]
 """
 
 import argparse
 import json
+import queue
 import sys
 import threading
 import time
@@ -23,55 +29,111 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle_states.dataset.step_codecs import NvcompStepEncoder, nvcomp_module  # noqa: E402
 
+LAUNCHES_PER_ITER = 3  # matmul, scale, tanh
 
-def forward_thread(stop: threading.Event, counts: list) -> None:
+
+class Ticker:
+    """A thread that wakes every millisecond; its longest gap in a window is the longest the GIL was held."""
+
+    def __init__(self):
+        self.last, self.gap, self.stop = time.monotonic(), 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            time.sleep(0.001)
+            now = time.monotonic()
+            self.gap, self.last = max(self.gap, now - self.last), now
+
+    def window(self, call):
+        time.sleep(0.01)
+        self.gap = 0.0
+        started = time.monotonic()
+        result = call()
+        took = time.monotonic() - started
+        time.sleep(0.005)  # the gap ends when the ticker runs again
+        return result, took, self.gap
+
+
+def probe(stacked: torch.Tensor) -> list[dict]:
+    nvcomp = nvcomp_module()
+    stream = torch.cuda.Stream()
+    layers, rows, width = stacked.shape
+    nbytes = rows * width * 2
+    flat = stacked.reshape(-1).view(torch.float16)
+    codec = nvcomp.Codec(algorithm="ANS", data_type="<f2", cuda_stream=stream.cuda_stream)
+    out_buffer = torch.empty(2 * layers * nbytes, dtype=torch.uint8, device="cuda")
+    ticker, rows_out = Ticker(), []
+
+    def arrays():
+        return (nvcomp.as_arrays(flat, [i * nbytes for i in range(layers)], [nbytes] * layers,
+                                 cuda_stream=stream.cuda_stream),
+                nvcomp.as_arrays(out_buffer, [i * 2 * nbytes for i in range(layers)], [2 * nbytes] * layers,
+                                 cuda_stream=stream.cuda_stream))
+
+    for queued_ms in (0, 0, 50):  # the first is the warm-up
+        torch.cuda.synchronize()
+        (src, out), t_arrays, g_arrays = ticker.window(arrays)
+        with torch.cuda.stream(stream):
+            if queued_ms:
+                torch.cuda._sleep(int(queued_ms * 1e-3 * 1.98e9))  # about 50 ms at the H200's clock
+            _, t_encode, g_encode = ticker.window(lambda: codec.encode(src, out=out))
+            done = torch.cuda.Event()
+            done.record(stream)
+        _, t_wait, g_wait = ticker.window(done.synchronize)
+        _, t_sizes, g_sizes = ticker.window(lambda: out.buffer_sizes)
+        rows_out.append({"queued_ms": queued_ms, **{f"{k}_ms": round(v * 1e3, 2) for k, v in (
+            ("as_arrays", t_arrays), ("as_arrays_gil", g_arrays), ("encode", t_encode), ("encode_gil", g_encode),
+            ("torch_wait", t_wait), ("torch_wait_gil", g_wait), ("buffer_sizes", t_sizes),
+            ("buffer_sizes_gil", g_sizes))}})
+    ticker.stop.set()
+    return rows_out[1:]
+
+
+def forward_thread(stop: threading.Event, steps: queue.Queue | None, counts: list) -> None:
     x = torch.randn(64, 1024, device="cuda")
     w = torch.randn(1024, 1024, device="cuda")
-    launches = 0
+    launches, previous = 0, None
     while not stop.is_set():
         for _ in range(200):
             x = torch.tanh(x @ w * 0.03)
-        launches += 600  # matmul, scale, tanh
-        torch.cuda.current_stream().synchronize()  # as a step ends (and lets go of the GIL)
+        launches += 200 * LAUNCHES_PER_ITER
+        step = torch.cuda.Event()
+        step.record()
+        if steps is not None and steps.empty():
+            steps.put(step)
+        if previous is not None:
+            previous.synchronize()  # as vLLM waits for a step's sampled tokens, one step behind
+        previous = step
     counts.append(launches)
-
-
-def sizes_from_nvcomp(encoder: NvcompStepEncoder, stacked: torch.Tensor, spans) -> None:
-    """The capture's encode before this check: nvCOMP's own wait for the output sizes."""
-    nvcomp = encoder.nvcomp
-    if "<f2" not in encoder.codecs:
-        encoder.codecs["<f2"] = nvcomp.Codec(algorithm="ANS", data_type="<f2", cuda_stream=encoder.stream.cuda_stream)
-    codec = encoder.codecs["<f2"]
-    layers, rows, width = stacked.shape
-    flat = stacked.reshape(-1).view(torch.float16)
-    nbytes = rows * width * 2
-    if encoder.out.numel() < 2 * layers * nbytes:
-        encoder.out = torch.empty(2 * layers * nbytes, dtype=torch.uint8, device="cuda")
-    out = nvcomp.as_arrays(encoder.out, [i * 2 * nbytes for i in range(layers)], [2 * nbytes] * layers,
-                           cuda_stream=encoder.stream.cuda_stream)
-    codec.encode(nvcomp.as_arrays(flat, [i * nbytes for i in range(layers)], [nbytes] * layers,
-                                  cuda_stream=encoder.stream.cuda_stream), out=out)
-    out.buffer_sizes  # noqa: B018 (the wait itself is what is measured)
 
 
 def run(mode: str, seconds: float, stacked: torch.Tensor) -> dict:
     encoder = NvcompStepEncoder(torch.cuda.Stream())
     spans = [(0, stacked.shape[1])]
-    encode = {"nvcomp-wait": lambda: sizes_from_nvcomp(encoder, stacked, spans),
-              "torch-event-wait": lambda: encoder(stacked, spans)}.get(mode)
-    if encode:
-        encode()  # warm-up: nvCOMP's scratch and kernels
+    if mode != "alone":
+        encoder(stacked, spans)  # warm-up: nvCOMP's scratch and kernels
     torch.cuda.synchronize()
     stop, counts, encodes = threading.Event(), [], [0]
+    steps = None if mode == "alone" else queue.Queue()
 
     def encoder_thread():
-        with torch.cuda.stream(encoder.stream):
-            while not stop.is_set():
-                encode()
-                encodes[0] += 1
+        while not stop.is_set():
+            try:
+                step = steps.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if mode == "after-host-wait":
+                step.synchronize()
+            else:
+                encoder.stream.wait_event(step)
+            with torch.cuda.stream(encoder.stream):
+                encoder(stacked, spans)
+            encodes[0] += 1
 
-    threads = [threading.Thread(target=forward_thread, args=(stop, counts))]
-    if encode:
+    threads = [threading.Thread(target=forward_thread, args=(stop, steps, counts))]
+    if steps is not None:
         threads.append(threading.Thread(target=encoder_thread))
     started = time.monotonic()
     for t in threads:
@@ -82,6 +144,7 @@ def run(mode: str, seconds: float, stacked: torch.Tensor) -> dict:
         t.join()
     elapsed = time.monotonic() - started
     return {"mode": mode, "forward_launches_per_s": round(counts[0] / elapsed),
+            "encodes_per_s": round(encodes[0] / elapsed, 1),
             "encoder_GB_per_s": round(encodes[0] * stacked.numel() * 2 / elapsed / 1e9, 1)}
 
 
@@ -94,13 +157,16 @@ def main():
     args = ap.parse_args()
     nvcomp_module()
     stacked = (torch.randn(args.layers, args.rows, args.hidden, device="cuda") * 3).to(torch.bfloat16)
-    rows = [run(mode, args.seconds, stacked) for mode in ("alone", "nvcomp-wait", "torch-event-wait", "alone")]
+    for row in probe(stacked):
+        print(json.dumps(row))
+    rows = [run(mode, args.seconds, stacked)
+            for mode in ("alone", "after-wait-event", "after-host-wait", "alone")]
     for row in rows:
         print(json.dumps(row))
     alone = min(r["forward_launches_per_s"] for r in rows if r["mode"] == "alone")
     for row in rows[1:3]:
         print(f"{row['mode']}: forward launches {row['forward_launches_per_s'] / alone:.2f} x alone, "
-              f"encoder {row['encoder_GB_per_s']} GB/s")
+              f"{row['encodes_per_s']} encodes/s, encoder {row['encoder_GB_per_s']} GB/s")
 
 
 if __name__ == "__main__":

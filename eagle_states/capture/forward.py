@@ -445,7 +445,9 @@ class ForwardCapture:
         its host copies, which the forward thread queued (done once `copied` is)."""
         try:
             stream = self.encoding.stream
-            stream.wait_event(step.computed)
+            # waited for on the host, through torch, which lets go of the GIL: nvCOMP's calls, queued behind the
+            # step's kernels, would wait for them holding it, and the forward thread could launch nothing meanwhile
+            step.computed.synchronize()
             step.stacked.record_stream(stream)
             with torch.cuda.stream(stream):
                 encoded = self.encoding.encode(step.stacked, step.spans, step.codec)
