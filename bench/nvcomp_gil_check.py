@@ -1,10 +1,10 @@
 """Does nvcomp-ans slow the model's forward passes by holding the GIL? (#29: while it encodes, the forward passes
 took 2.1 x their device time, from the forward thread or from the assembler thread alike.)
 
-Two parts. The probe times each nvCOMP call from the host (`as_arrays`, `encode`, `buffer_sizes`) with a 1-ms
-ticker thread beside it: the ticker's longest gap during a call is how long that call held the GIL. `encode` is
-called once with the stream idle and once behind 50 ms of queued device work: if it waits for its input holding
-the GIL, its call and the ticker's gap grow by those 50 ms.
+Two parts. The probe times each nvCOMP call from the host (`as_arrays`, `encode`, `buffer_sizes`, letting go of
+the arrays, `NvcompStepEncoder` whole) with a 1-ms ticker thread beside it: the ticker's longest gap during a call
+is how long that call held the GIL. Each call runs with the device idle, then behind 50 ms of device work queued on
+its own stream, then on another: a call that waits for the device grows by those 50 ms.
 
 Then the capture's pattern: a "forward" thread launches steps of small kernels (each launch needs the GIL) and hands
 each step's event to an "encoder" thread, which encodes a captured-step-sized [L, R, H] bf16 tensor once per step,
@@ -57,8 +57,11 @@ class Ticker:
 
 
 def probe(stacked: torch.Tensor) -> list[dict]:
+    """Each nvCOMP call timed with 50 ms of device work queued first on its own stream, then on another one (the
+    model's, in the capture): a call that waits for the device holds the GIL for those 50 ms (a device-wide wait,
+    such as cudaFree's, shows on the other stream too)."""
     nvcomp = nvcomp_module()
-    stream = torch.cuda.Stream()
+    stream, other = torch.cuda.Stream(), torch.cuda.Stream()
     layers, rows, width = stacked.shape
     nbytes = rows * width * 2
     flat = stacked.reshape(-1).view(torch.float16)
@@ -72,21 +75,31 @@ def probe(stacked: torch.Tensor) -> list[dict]:
                 nvcomp.as_arrays(out_buffer, [i * 2 * nbytes for i in range(layers)], [2 * nbytes] * layers,
                                  cuda_stream=stream.cuda_stream))
 
-    for queued_ms in (0, 0, 50):  # the first is the warm-up
+    def queue_work(on):
+        with torch.cuda.stream(on):
+            torch.cuda._sleep(int(50e-3 * 1.98e9))  # about 50 ms at the H200's clock
+
+    for queued_on in ("none", "none", "own", "other"):  # the first is the warm-up
         torch.cuda.synchronize()
-        (src, out), t_arrays, g_arrays = ticker.window(arrays)
+        timings = {}
+
+        def timed(name, call, queued_on=queued_on):
+            if queued_on != "none":
+                torch.cuda.synchronize()
+                queue_work(stream if queued_on == "own" else other)
+            result, took, gap = ticker.window(call)
+            timings[f"{name}_ms"], timings[f"{name}_gil_ms"] = round(took * 1e3, 2), round(gap * 1e3, 2)
+            return result
+
+        held = list(timed("as_arrays", arrays))  # [src, out]: the list's clear() is the only release
         with torch.cuda.stream(stream):
-            if queued_ms:
-                torch.cuda._sleep(int(queued_ms * 1e-3 * 1.98e9))  # about 50 ms at the H200's clock
-            _, t_encode, g_encode = ticker.window(lambda: codec.encode(src, out=out))
-            done = torch.cuda.Event()
-            done.record(stream)
-        _, t_wait, g_wait = ticker.window(done.synchronize)
-        _, t_sizes, g_sizes = ticker.window(lambda: out.buffer_sizes)
-        rows_out.append({"queued_ms": queued_ms, **{f"{k}_ms": round(v * 1e3, 2) for k, v in (
-            ("as_arrays", t_arrays), ("as_arrays_gil", g_arrays), ("encode", t_encode), ("encode_gil", g_encode),
-            ("torch_wait", t_wait), ("torch_wait_gil", g_wait), ("buffer_sizes", t_sizes),
-            ("buffer_sizes_gil", g_sizes))}})
+            timed("encode", lambda: codec.encode(held[0], out=held[1]))
+        torch.cuda.synchronize()
+        timed("buffer_sizes", lambda: held[1].buffer_sizes)
+        timed("free_arrays", held.clear)
+        encoder = NvcompStepEncoder(stream)
+        timed("step_encoder", lambda: encoder(stacked, [(0, rows)]))
+        rows_out.append({"queued_on": queued_on, **timings})
     ticker.stop.set()
     return rows_out[1:]
 

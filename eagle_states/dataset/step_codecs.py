@@ -177,11 +177,19 @@ class NvcompStepEncoder:
     shared between threads. Input and output are carved from torch tensors (`as_arrays` with an offset table):
     nvCOMP 6.0.0's own batch entries, taken through DLPack, corrupted the host heap (bench/RESULTS.md)."""
 
+    # nvCOMP lets go of a batch of arrays with a device-wide wait (cudaFree) holding the GIL: the forward thread then
+    # launches nothing until the model's queued kernels are done (measured: 41 ms behind 50 ms of work on another
+    # stream, bench/nvcomp_gil_check.py). Spent batches are kept and let go of together, one such wait per this many;
+    # they are views of buffers kept here (`inp`, `out`), never of a step's own tensor, which they would keep alive.
+    RELEASE_EVERY = 64
+
     def __init__(self, stream: torch.cuda.Stream):
         self.nvcomp = nvcomp_module()
         self.stream = stream
         self.codecs = {}
-        self.out = torch.empty(0, dtype=torch.uint8, device="cuda")  # reused: steps are encoded one at a time
+        self.inp = torch.empty(0, dtype=torch.uint8, device="cuda")  # reused: steps are encoded one at a time
+        self.out = torch.empty(0, dtype=torch.uint8, device="cuda")
+        self.spent: list = []  # nvCOMP arrays of encoded steps, until RELEASE_EVERY of them
 
     def __call__(self, stacked: torch.Tensor, spans: list[tuple[int, int]]) -> EncodedStep:
         nvcomp = self.nvcomp
@@ -194,15 +202,24 @@ class NvcompStepEncoder:
         row_bytes = width * stacked.element_size()
         # typed as the codec's data type (the batch's entries take their type from the buffer; bf16 has no
         # array-protocol type of its own, and ANS codes 16-bit floats by their bits); offsets and sizes in bytes
-        flat = stacked.reshape(-1).view(torch.float16 if stacked.element_size() == 2 else torch.float32)
+        nbytes = stacked.numel() * stacked.element_size()
+        if self.inp.numel() < nbytes:
+            self.inp = torch.empty(nbytes, dtype=torch.uint8, device=stacked.device)
+        with torch.cuda.stream(self.stream):
+            self.inp[:nbytes].copy_(stacked.reshape(-1).view(torch.uint8))
+        flat = self.inp[:nbytes].view(torch.float16 if stacked.element_size() == 2 else torch.float32)
         offsets = [(slot * rows + start) * row_bytes for slot in range(layers) for start, _ in spans]
         sizes = [(stop - start) * row_bytes for _ in range(layers) for start, stop in spans]
         room = [size + size // 4 + (1 << 20) for size in sizes]  # nvCOMP asks for 1.17 x on incompressible data
         out_offsets = _aligned(room)
         if self.out.numel() < out_offsets[-1]:
             self.out = torch.empty(out_offsets[-1], dtype=torch.uint8, device=stacked.device)
+        if len(self.spent) >= 2 * self.RELEASE_EVERY:
+            self.spent.clear()
         out = nvcomp.as_arrays(self.out, out_offsets[:-1], room, cuda_stream=self.stream.cuda_stream)
-        codec.encode(nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream), out=out)
+        src = nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream)
+        self.spent += [src, out]
+        codec.encode(src, out=out)
         # wait for the encoder through torch, which lets go of the GIL while it waits: nvCOMP's `buffer_sizes`
         # waits holding it, and the forward thread, which launches the model's kernels one by one, stops meanwhile
         encoded = torch.cuda.Event()
