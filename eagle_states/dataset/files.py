@@ -294,12 +294,10 @@ SHARD_DIGESTS = (SHARD_DIGEST, "sha256")
 
 
 def shard_hasher():
-    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`), one caller. Large updates
-    are hashed on every core: the last shards of a run are hashed while nothing else runs (the drain after the last
-    forward pass), and the digest does not depend on the threads."""
+    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`); one thread."""
     import blake3
 
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    return blake3.blake3()
 
 
 def file_digest(path: Path, algorithm: str = SHARD_DIGEST, block: int = 64 << 20) -> str:
