@@ -106,6 +106,20 @@ def _peak_gpu_bytes() -> int | None:
         return None
 
 
+# torch's caching allocator on CUDA: a cudaFree, and a cudaMalloc retried after emptying the cache, wait for the
+# whole device (holding the GIL, which stops the thread launching the model's kernels)
+ALLOCATOR_WAITS = ("num_device_free", "num_alloc_retries")
+
+
+def _allocator_waits() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ALLOCATOR_WAITS}
+
+
 def random_prompts(model: Path, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
     """Token ids drawn uniformly from the model's vocabulary (the first ten left out: special tokens)."""
     import random
@@ -166,16 +180,20 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         return {f"{mode}_{key}": getattr(after, key) - getattr(before, key)
                 for key in ("forwards", "forward_s", "between_forwards_s")}
 
+    def allocator(mode: str, before: dict) -> dict:
+        """cudaFree calls and retried cudaMallocs in a run (an engine in this process only)."""
+        return {f"{mode}_{key}": value - before[key] for key, value in _allocator_waits().items()}
+
     def plain() -> dict:
-        before = engine.capture_stats()
+        before, waits = engine.capture_stats(), _allocator_waits()
         t0 = time.monotonic()
         engine.plain_prefill(prompts)
         plain_s = time.monotonic() - t0
-        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats())}
+        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats()), **allocator("plain", waits)}
 
     def capture(codec: str) -> dict:
         shutil.rmtree(target, ignore_errors=True)
-        before = engine.capture_stats()
+        before, waits = engine.capture_stats(), _allocator_waits()
         t0 = time.monotonic()
         extraction_round = extraction_of(source, target, codec)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
@@ -187,7 +205,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             ended = time.monotonic()
         for done in freed:
             done.result()
-        after = engine.capture_stats()
+        after, waits = engine.capture_stats(), allocator("capture", waits)
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
         # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
@@ -199,7 +217,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                "encoded_bytes": after.encoded_bytes - before.encoded_bytes,
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
-               "device_encode_s": after.device_encode_s - before.device_encode_s}
+               "device_encode_s": after.device_encode_s - before.device_encode_s, **waits}
         row.update(capture_tok_s=tokens / capture_s, write_gb_s=row["bytes_written"] / capture_s / 1e9,
                    bytes_per_token_stored=row["bytes_written"] / tokens,
                    # the codec's own speed: what one writer thread compresses per second (codec_threads each)
@@ -238,7 +256,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                       f"{c['drain_s']:.1f} s | steps {row['plain_forwards']} / {c['capture_forwards']}, in them "
                       f"{row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
                       f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
-                      "(plain / capture)", flush=True)
+                      "(plain / capture)"
+                      + "".join(f" | {key} {row[f'plain_{key}']} / {c[f'capture_{key}']}" for key in ALLOCATOR_WAITS
+                                if f"capture_{key}" in c), flush=True)
     finally:
         holder.close()
     disk = disk_write_bandwidth(out_dir, disk_probe_bytes)
