@@ -4,7 +4,8 @@
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
-# ../shared/gpukit installed on the machine (/tmp/site) and the wheels in .whl-nvcomp/ (nvCOMP) and .whl/. Results go to $OUT.
+# ../shared/gpukit installed on the machine (/tmp/site) and the wheels in .whl-nvcomp/ (nvCOMP) and .whl/ (h200_env.sh).
+# Results go to $OUT.
 source bench/h200_env.sh
 bench() {  # NAME ARGS...: one bench, its text and JSON in $OUT
   local name=$1; shift
