@@ -172,9 +172,9 @@ def _aligned(sizes: list[int], align: int = 256) -> list[int]:
 
 
 class NvcompStepEncoder:
-    """nvCOMP ANS on a step's (layer, span) buffers, in one batched call on `stream` (the capture's copy stream:
-    it runs behind the step's own kernels, beside the next forward pass). One per capture: an nvCOMP codec is not
-    shared between threads. Input and output are carved from torch tensors (`as_arrays` with an offset table):
+    """nvCOMP ANS on a step's (layer, span) buffers, in one batched call on `stream` (the capture's encoder stream,
+    from its assembler thread, beside the next forward pass; the caller has waited for the step's states). One per
+    capture: an nvCOMP codec is not shared between threads. Input and output are carved from torch tensors (`as_arrays` with an offset table):
     nvCOMP 6.0.0's own batch entries, taken through DLPack, corrupted the host heap (bench/RESULTS.md)."""
 
     # nvCOMP lets go of a batch of arrays with a device-wide wait (cudaFree) holding the GIL: the forward thread then
