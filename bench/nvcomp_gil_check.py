@@ -36,7 +36,7 @@ class Ticker:
     """A thread that wakes every millisecond; its longest gap in a window is the longest the GIL was held."""
 
     def __init__(self):
-        self.last, self.gap, self.stop = time.monotonic(), 0.0, threading.Event()
+        self.last, self.gap, self.ticks, self.stop = time.monotonic(), 0.0, 0, threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -44,7 +44,7 @@ class Ticker:
         while not self.stop.is_set():
             time.sleep(0.001)
             now = time.monotonic()
-            self.gap, self.last = max(self.gap, now - self.last), now
+            self.gap, self.last, self.ticks = max(self.gap, now - self.last), now, self.ticks + 1
 
     def window(self, call):
         time.sleep(0.01)

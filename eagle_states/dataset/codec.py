@@ -94,7 +94,7 @@ class Codec:
         """Whether a tensor of this dtype is stored compressed (the floating-point states)."""
         return self.enabled and dtype.is_floating_point
 
-    def frame(self, pieces: list) -> tuple[bytes, dict]:
+    def frame(self, pieces: list) -> tuple[np.ndarray, dict]:
         """A step codec's pieces of one tensor (`step_codecs`), as stored, with what its entry records."""
         from eagle_states.dataset import step_codecs
 
@@ -113,7 +113,7 @@ class Codec:
         return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
 
 
-def encoded_entry(dtype_code: str, shape: list[int], stored: bytes, extra: dict | None = None) -> dict:
+def encoded_entry(dtype_code: str, shape: list[int], stored: bytes | np.ndarray, extra: dict | None = None) -> dict:
     """The header metadata of one compressed tensor: its logical dtype and shape, the stored bytes' CRC-32, and
     what its codec records of it (fp8: the squared error and norm)."""
     return {"dtype": dtype_code, "shape": list(shape), "crc32": zlib.crc32(stored), **(extra or {})}

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle_states.dataset.codec import Codec, CorruptTensorError, decode, encoded_entry, header_metadata, read_header_metadata
@@ -68,18 +69,18 @@ class ShardFileWriter:
         self.header = None if codec.enabled else self._header({name: None for name in self.order})
         # with a codec, the stored sizes are known only once compressed: the tensors are kept (compressed) until
         # the last one, then the header and they are written
-        self._stored: dict[str, bytes | list] = {}
+        self._stored: dict[str, bytes | np.ndarray | list] = {}  # compressed (one buffer), or small chunks
         self._extra: dict[str, dict] = {}  # what a step codec records of a tensor (fp8: its squared error)
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
 
-    def _header(self, stored: dict[str, bytes | None]) -> bytes:
+    def _header(self, stored: dict[str, bytes | np.ndarray | list | None]) -> bytes:
         """The safetensors header: each tensor as stored (a compressed one as U8 bytes, its logical dtype and
         shape in the metadata), in key order."""
         header, encoded, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, {}, 0
         for name in self.order:
             dtype, shape = self.specs[name]
             blob = stored[name]
-            if isinstance(blob, bytes):
+            if isinstance(blob, (bytes, np.ndarray)):
                 encoded[name] = encoded_entry(DTYPES[dtype][0], shape, blob, self._extra.get(name))
                 entry, size = {"dtype": "U8", "shape": [len(blob)]}, len(blob)
             else:

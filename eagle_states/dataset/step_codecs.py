@@ -232,20 +232,23 @@ class NvcompStepEncoder:
 
 # ---------------------------------------------------------------------------------------------------------------
 # In the shard: a tensor's pieces framed into its stored bytes, and read back
-def frame_fp8(pieces: list[Fp8Piece]) -> tuple[bytes, dict]:
+# Framed by torch.cat, which lets go of the GIL while it copies (numpy's tobytes and bytes.join hold it): eight
+# writer threads frame each step's tensors while vLLM launches the model's kernels from a Python thread
+# (bench/framing_gil_check.py). The stored bytes are a uint8 array.
+def frame_fp8(pieces: list[Fp8Piece]) -> tuple[np.ndarray, dict]:
     """The stored bytes (scales, then codes) and the entry's error record (sums of squares, float64)."""
     aux = torch.cat([p.aux for p in pieces]) if len(pieces) > 1 else pieces[0].aux
-    scales = aux[:, 0].contiguous().numpy().tobytes()
-    codes = b"".join(p.codes.contiguous().numpy().tobytes() for p in pieces)
+    scales = aux[:, 0].contiguous().view(torch.uint8)
     totals = aux[:, 1:].double().sum(dim=0).tolist()
-    return scales + codes, {"sq_err": totals[0], "sq_sum": totals[1]}
+    return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), {"sq_err": totals[0],
+                                                                                  "sq_sum": totals[1]}
 
 
-def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[bytes, dict]:
+def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[np.ndarray, dict]:
     """A count, each buffer's stored and decoded size, then the buffers."""
-    blobs = [p.blob.numpy().tobytes() for p in pieces]
-    sizes = [n for p, b in zip(pieces, blobs) for n in (len(b), p.rows * p.width * p.dtype.itemsize)]
-    return struct.pack(f"<I{len(sizes)}Q", len(blobs), *sizes) + b"".join(blobs), {}
+    sizes = [n for p in pieces for n in (p.blob.numel(), p.rows * p.width * p.dtype.itemsize)]
+    head = torch.frombuffer(bytearray(struct.pack(f"<I{len(sizes)}Q", len(pieces), *sizes)), dtype=torch.uint8)
+    return torch.cat([head, *(p.blob for p in pieces)]).numpy(), {}
 
 
 def decode_fp8(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
