@@ -25,7 +25,8 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
     make_dsv3
     bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 --codecs none,nvcomp-ans,fp8-e4m3 ;;
   gil)  # does nvCOMP's host API stop the forward thread's kernel launches while it waits? (bench/RESULTS.md)
-    python3 bench/nvcomp_gil_check.py 2>&1 | tee "$OUT/nvcomp_gil_check.txt" ;;
+    python3 bench/nvcomp_gil_check.py 2>&1 | tee "$OUT/nvcomp_gil_check.txt"
+    python3 bench/framing_gil_check.py 2>&1 | tee "$OUT/framing_gil_check.txt" ;;
   dsv3-shm)
     make_dsv3
     bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds 2 \
