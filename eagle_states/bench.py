@@ -185,15 +185,15 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         return {f"{mode}_{key}": value - before[key] for key, value in _allocator_waits().items()}
 
     def plain() -> dict:
-        before, waits = engine.capture_stats(), _allocator_waits()
+        before, allocator_before = engine.capture_stats(), _allocator_waits()
         t0 = time.monotonic()
         engine.plain_prefill(prompts)
         plain_s = time.monotonic() - t0
-        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats()), **allocator("plain", waits)}
+        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats()), **allocator("plain", allocator_before)}
 
     def capture(codec: str) -> dict:
         shutil.rmtree(target, ignore_errors=True)
-        before, waits = engine.capture_stats(), _allocator_waits()
+        before, allocator_before = engine.capture_stats(), _allocator_waits()
         t0 = time.monotonic()
         extraction_round = extraction_of(source, target, codec)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
@@ -205,7 +205,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             ended = time.monotonic()
         for done in freed:
             done.result()
-        after, waits = engine.capture_stats(), allocator("capture", waits)
+        after = engine.capture_stats()
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
         # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
@@ -217,7 +217,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                "encoded_bytes": after.encoded_bytes - before.encoded_bytes,
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
-               "device_encode_s": after.device_encode_s - before.device_encode_s, **waits}
+               "device_encode_s": after.device_encode_s - before.device_encode_s,
+               **allocator("capture", allocator_before)}
         row.update(capture_tok_s=tokens / capture_s, write_gb_s=row["bytes_written"] / capture_s / 1e9,
                    bytes_per_token_stored=row["bytes_written"] / tokens,
                    # the codec's own speed: what one writer thread compresses per second (codec_threads each)

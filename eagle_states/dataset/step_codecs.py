@@ -189,7 +189,7 @@ class NvcompStepEncoder:
         self.codecs = {}
         self.inp = torch.empty(0, dtype=torch.uint8, device="cuda")  # reused: steps are encoded one at a time
         self.out = torch.empty(0, dtype=torch.uint8, device="cuda")
-        self.spent: list = []  # nvCOMP arrays of encoded steps, until RELEASE_EVERY of them
+        self.spent: list = []  # (input, output) nvCOMP arrays of encoded steps, until RELEASE_EVERY of them
 
     def __call__(self, stacked: torch.Tensor, spans: list[tuple[int, int]]) -> EncodedStep:
         nvcomp = self.nvcomp
@@ -214,11 +214,11 @@ class NvcompStepEncoder:
         out_offsets = _aligned(room)
         if self.out.numel() < out_offsets[-1]:
             self.out = torch.empty(out_offsets[-1], dtype=torch.uint8, device=stacked.device)
-        if len(self.spent) >= 2 * self.RELEASE_EVERY:
+        if len(self.spent) >= self.RELEASE_EVERY:
             self.spent.clear()
         out = nvcomp.as_arrays(self.out, out_offsets[:-1], room, cuda_stream=self.stream.cuda_stream)
         src = nvcomp.as_arrays(flat, offsets, sizes, cuda_stream=self.stream.cuda_stream)
-        self.spent += [src, out]
+        self.spent.append((src, out))
         codec.encode(src, out=out)
         # wait for the encoder through torch, which lets go of the GIL while it waits: nvCOMP's `buffer_sizes`
         # waits holding it, and the forward thread, which launches the model's kernels one by one, stops meanwhile
