@@ -166,6 +166,7 @@ class PinnedPool:
         self.allocated = 0
         self.lock = threading.Lock()
         self.wait_s = 0.0  # the forward thread blocked on back-pressure
+        self.held_bytes = 0  # steps' bytes in blocks in use: copied, not yet written (or framed) by a writer
 
     def reserve(self, row_bytes: int) -> None:
         """Pin every block of the budget now, for steps of `row_bytes` rows: at engine start rather than inside the
@@ -202,7 +203,9 @@ class PinnedPool:
         if block.buffer.numel() < nbytes:  # a step codec's output past the slack: this block grows, once
             with torch.inference_mode(False):
                 block.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        block.refs = 1  # the step's own reference, dropped when the assembler is done with it
+        block.refs, block.nbytes = 1, nbytes  # the step's own reference, dropped when the assembler is done with it
+        with self.lock:
+            self.held_bytes += nbytes
         return block
 
     def hold(self, block: PinnedBlock) -> None:
@@ -215,6 +218,7 @@ class PinnedPool:
             for block in blocks:
                 block.refs -= 1
                 if block.refs == 0:
+                    self.held_bytes -= block.nbytes
                     self.free.put(block)
 
 
@@ -299,6 +303,7 @@ class ForwardCapture:
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         self.steps = 0
         self.last_hand_off = 0.0  # time.monotonic() of the last captured step
+        self.backlog_bytes = 0  # host-buffer bytes of earlier steps not yet written, then
         self.clock = _ForwardClock(self.is_cuda)
         self.encoding = StepEncoding(self.clock, self.is_cuda)
         self.handles = []
@@ -384,7 +389,7 @@ class ForwardCapture:
                                    "(sequence-parallel layers are not supported)")
         self.slots.clear()
         self.steps += 1
-        self.last_hand_off = time.monotonic()
+        self.last_hand_off, self.backlog_bytes = time.monotonic(), self.pinned.held_bytes
         spans = [r.prompt_rows for r in requests if not r.generating and r.prompt_rows[1] > r.prompt_rows[0]]
         if not self.is_cuda:  # the states are host tensors already
             if states and self.codec.on_device:

@@ -34,6 +34,7 @@ class PinnedBlock:
     """A pinned host buffer holding one step's states; back in the pool once every sample using it is written."""
     buffer: torch.Tensor
     refs: int = 0
+    nbytes: int = 0  # the step's bytes in it
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ sample in the file's order as the assembler completes them. Reads nothing of vLL
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -31,6 +32,7 @@ class ShardWriter:
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
         self.lock = threading.Lock()
         self.encoded_bytes, self.encode_s = 0, 0.0  # summed over the writer threads
+        self.last_written = 0.0  # time.monotonic() when the last shard file was committed
 
     def submit(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> Future:
         """Start writing a shard whose samples `take` hands over as they are complete; waits (the assembler) while
@@ -58,6 +60,7 @@ class ShardWriter:
                 with self.lock:
                     self.encoded_bytes += out.encoded_bytes
                     self.encode_s += out.encode_s
+                    self.last_written = time.monotonic()
             finally:
                 first.forget(self.pinned)  # a no-op once written; gives it back when the file could not be opened
             return out.digest, out.size
