@@ -36,7 +36,7 @@ from eagle_states.capture.engine import CaptureEngine, EngineSettings
 from eagle_states.capture.generation import FollowUp, Generated, Generation
 from eagle_states.capture.worker_calls import ShardJob
 from eagle_states.config import PipelineParams, PrepareParams
-from eagle_states.dataset.capture_format import CAPTURE_FORMAT_VERSION
+from eagle_states.dataset.capture_format import UNCOMPRESSED_SAME_SINCE
 from eagle_states.dataset.files import atomic_write_bytes, hash_files, hash_json, sha256_file
 from eagle_states.dataset.identity import model_identity
 from eagle_states.dataset.prepared import REPORT_FILE, InputSample
@@ -316,8 +316,10 @@ def identity(params: PipelineParams) -> str:
     sampled tokens), the declared formats; with capture, everything that decides the shards too."""
     e = params.extract
     model = model_identity(Path(params.model.path))
-    # declared, not the source text: an edit that changes no token must not cost a regeneration
-    code = {"regenerate_format": REGENERATE_FORMAT_VERSION, "capture_format": CAPTURE_FORMAT_VERSION}
+    # declared, not the source text: an edit that changes no token must not cost a regeneration. Of the capture
+    # format, what a regeneration shares with an uncompressed capture (its engine steps); a codec's layout is the
+    # shards' alone, which `capture` covers
+    code = {"regenerate_format": REGENERATE_FORMAT_VERSION, "capture_format": UNCOMPRESSED_SAME_SINCE}
     return hash_json({
         "data": sha256_file(Path(params.data.path)), "model": {k: v for k, v in model.items() if k != "path"},
         "end_of_turn": hash_files([Path(params.model.path) / "generation_config.json"]),  # its stop tokens

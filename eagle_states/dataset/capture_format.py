@@ -16,7 +16,12 @@ manifest lists every version its shards came from. Set `output.overwrite` with a
 
 This file is read by DVC as a parameters file (dvc.yaml's extract stage): keep its values literals."""
 
-CAPTURE_FORMAT_VERSION = 1
+CAPTURE_FORMAT_VERSION = 2
+
+# Format 2 changed the shards written with a codec only: their header is written last, into room reserved at the
+# file's start (so their tensors go to the disk as they are compressed rather than at the shard's end). Shards
+# without a codec have been the same bytes since the format below, and its receipts are honoured for them.
+UNCOMPRESSED_SAME_SINCE = 1
 
 # Shards written before the format was declared were keyed by a hash of the capture's source files; the releases
 # below wrote format-1 bytes (the demo dataset's shards 37f74e9c, 810ede48, 8132afba held across all of them), so

@@ -90,6 +90,12 @@ class Codec:
         return {"name": self.name, "level": self.level, "filter": "shuffle", "chunk_bytes": CHUNK_BYTES,
                 "blosc2": blosc2.__version__}
 
+    @property
+    def entry_extras(self) -> tuple[str, ...]:
+        """The numbers a compressed tensor's header entry holds beside its dtype, shape and CRC (`encoded_entry`):
+        fp8's squared error and norm (`step_codecs.frame_fp8`)."""
+        return ("sq_err", "sq_sum") if self.name == "fp8-e4m3" else ()
+
     def encodes(self, dtype: torch.dtype) -> bool:
         """Whether a tensor of this dtype is stored compressed (the floating-point states)."""
         return self.enabled and dtype.is_floating_point

@@ -64,6 +64,11 @@ class StreamingFile:
             if self.written - self.handed >= self.WRITEBACK_BYTES:
                 self._hand_to_disk()
 
+    def write_head(self, data) -> None:
+        """Overwrite the file's first `len(data)` bytes (a header whose room was written first), once everything
+        else is written."""
+        os.pwrite(self.raw.fileno(), data, 0)
+
     def _hand_to_disk(self):
         if _SYNC_FILE_RANGE is not None:  # ctypes releases the GIL during the call
             fd, span = self.raw.fileno(), (self.handed, self.written - self.handed)
@@ -134,6 +139,18 @@ class DirectFile:
             if future is not None:
                 future.result()  # raises the helper's write error
         os.ftruncate(self.fd, self.written)
+
+    def write_head(self, data) -> None:
+        """Overwrite the file's first `len(data)` bytes, a multiple of ALIGN (a header whose room was written
+        first), once everything else is written: what is left goes out first."""
+        if len(data) % self.ALIGN:
+            raise ValueError(f"a head of {len(data)} bytes: O_DIRECT writes whole blocks of {self.ALIGN}")
+        self.finish()
+        head = np.frombuffer(mmap.mmap(-1, len(data)), np.uint8)  # page-aligned
+        head[:] = np.frombuffer(data, np.uint8)
+        view = memoryview(head)
+        while view:
+            view = view[os.pwrite(self.fd, view, len(data) - len(view)):]
 
     def close(self) -> None:
         """After `finish`, or instead of it when the file is given up: no write is left running."""
@@ -293,11 +310,12 @@ SHARD_DIGEST = "blake3"
 SHARD_DIGESTS = (SHARD_DIGEST, "sha256")
 
 
-def shard_hasher():
-    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`); one thread."""
+def shard_hasher(every_core: bool = False):
+    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`): one thread, or every
+    core for data held in memory and hashed at once."""
     import blake3
 
-    return blake3.blake3()
+    return blake3.blake3(max_threads=blake3.blake3.AUTO) if every_core else blake3.blake3()
 
 
 def file_digest(path: Path, algorithm: str = SHARD_DIGEST, block: int = 64 << 20) -> str:

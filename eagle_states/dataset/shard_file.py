@@ -44,19 +44,28 @@ def sample_tensor_specs(sample_id: str, num_tokens: int, num_slots: int, hidden_
     return specs
 
 
+# A compressed shard's header is written last, into room reserved at the file's start for its largest form: every
+# stored size and offset at its widest (below a petabyte), every CRC-32 and float of the codec's entries too (a
+# float as Python's repr writes one: at most 24 characters). The room ends on a 4 KiB boundary (O_DIRECT writes
+# whole blocks), and the header is padded to it with spaces (safetensors allows trailing whitespace).
+WIDEST_SIZE, WIDEST_CRC, WIDEST_FLOAT = 10**15 - 1, 2**32 - 1, -1.7976931348623157e308
+HEADER_ALIGN = 4096
+
+
 class ShardFileWriter:
     """Writes one shard in the safetensors format, tensor by tensor in the file's (sorted) key order, while later
-    tensors may not exist yet: the header is made from the tensors' dtypes and shapes alone, so a shard can be
-    written as its samples are captured. Each tensor's pieces are streamed from memory (concatenated along dim 0
-    in the file, never in memory) and hashed while a helper thread writes them past the page cache (`DirectFile`,
-    where the filesystem allows; hashing and writing both release the GIL, so a shard takes as long as the slower
-    of the two). Atomic: temp file, fsync, rename; an exception
-    or an incomplete shard leaves nothing under `path`. After the `with` block: `digest` (`files.SHARD_DIGEST`) and
+    tensors may not exist yet, so that a shard is written as its samples are captured. Each tensor's pieces are
+    streamed from memory (concatenated along dim 0 in the file, never in memory) by a helper thread, past the
+    page cache (`DirectFile`, where the filesystem allows). Atomic: temp file, fsync, rename; an exception or an
+    incomplete shard leaves nothing under `path`. After the `with` block: `digest` (`files.SHARD_DIGEST`) and
     `size`.
 
-    With a codec (`codec.Codec`), each hidden state is compressed in the calling (writer) thread as it arrives and
-    kept compressed until the shard's last tensor; then the header, which needs the compressed sizes, and the
-    tensors are written the same way.
+    Uncompressed, the header is made from the tensors' dtypes and shapes alone and written first, and the file is
+    hashed as it is written (hashing and writing both release the GIL, so a shard takes as long as the slower of
+    the two). With a codec (`codec.Codec`), each hidden state is compressed in the calling (writer) thread as it
+    arrives (a step codec's was on the device) and written behind the header's reserved room at once; the header,
+    which needs the compressed sizes, goes into its room at the end, and the file is hashed then, from the
+    compressed tensors kept in memory until the shard's end (the digest is of the file in order, header first).
     """
 
     def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec()):
@@ -66,45 +75,51 @@ class ShardFileWriter:
         self.dtypes = {name: specs[name][0] for name in self.order}
         self.size: int | None = None  # set with the header
         self.digest: str | None = None
-        self.header = None if codec.enabled else self._header({name: None for name in self.order})
-        # with a codec, the stored sizes are known only once compressed: the tensors are kept (compressed) until
-        # the last one, then the header and they are written
-        self._stored: dict[str, bytes | np.ndarray | list] = {}  # compressed (one buffer), or small chunks
-        self._extra: dict[str, dict] = {}  # what a step codec records of a tensor (fp8: its squared error)
+        if codec.enabled:
+            widest = {"crc32": WIDEST_CRC, **{key: WIDEST_FLOAT for key in codec.entry_extras}}
+            largest = self._header({name: (WIDEST_SIZE, {"dtype": DTYPES[dtype][0], "shape": list(shape), **widest})
+                                    for name, (dtype, shape) in specs.items() if codec.encodes(dtype)})
+            self.room = -(-len(largest) // HEADER_ALIGN) * HEADER_ALIGN
+        else:
+            self.room = 0
+        self._kept: dict[str, list] = {}  # with a codec: each tensor as written, for the digest at the end
+        self._encoded: dict[str, tuple[int, dict]] = {}  # a compressed tensor's stored size and header entry
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
 
-    def _header(self, stored: dict[str, bytes | np.ndarray | list | None]) -> bytes:
-        """The safetensors header: each tensor as stored (a compressed one as U8 bytes, its logical dtype and
-        shape in the metadata), in key order."""
-        header, encoded, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, {}, 0
+    def _header(self, encoded: dict[str, tuple[int, dict]], room: int = 0) -> bytes:
+        """The safetensors header, its 8-byte length first: each tensor as stored (a compressed one, `encoded`'s
+        (stored size, entry), as U8 bytes, its logical dtype and shape in the metadata), in key order; padded with
+        spaces to 8 bytes, or to fill `room` bytes."""
+        header, entries, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, {}, 0
         for name in self.order:
             dtype, shape = self.specs[name]
-            blob = stored[name]
-            if isinstance(blob, (bytes, np.ndarray)):
-                encoded[name] = encoded_entry(DTYPES[dtype][0], shape, blob, self._extra.get(name))
-                entry, size = {"dtype": "U8", "shape": [len(blob)]}, len(blob)
+            if name in encoded:
+                size, entries[name] = encoded[name]
+                entry = {"dtype": "U8", "shape": [size]}
             else:
                 entry, size = {"dtype": DTYPES[dtype][0], "shape": list(shape)}, self.nbytes[name]
             header[name] = {**entry, "data_offsets": [offset, offset + size]}
             offset += size
-        header["__metadata__"].update(header_metadata(self.codec, encoded))
-        header_bytes = json.dumps(header, separators=(",", ":")).encode()
-        header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
-        self.size = 8 + len(header_bytes) + offset
-        return len(header_bytes).to_bytes(8, "little") + header_bytes
+        header["__metadata__"].update(header_metadata(self.codec, entries))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        length = room - 8 if room else len(text) + (-len(text) % 8)  # the format aligns the data to 8 bytes
+        if len(text) > length:
+            raise ValueError(f"{self.path.name}: a header of {len(text)} bytes past its room of {length}")
+        self.size = 8 + length + offset
+        return length.to_bytes(8, "little") + text.ljust(length)
 
     def __enter__(self) -> "ShardFileWriter":
         self._stack = contextlib.ExitStack()
         self._file = self._stack.enter_context(atomic_file(self.path, direct=True))
         self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
-        self._writes, self._hasher, self._next = [], shard_hasher(), 0
-        if self.header is not None:
-            self._put(self.header)
+        self._writes, self._hasher, self._next = [], shard_hasher(every_core=self.codec.enabled), 0
+        self._put(bytes(self.room) if self.codec.enabled else self._header({}))
         return self
 
     def _put(self, data) -> None:
         self._writes.append(self._io.submit(self._file.write, data))  # in order: one thread
-        self._hasher.update(data)
+        if not self.codec.enabled:
+            self._hasher.update(data)
 
     def write(self, name: str, pieces: list[torch.Tensor]) -> None:
         """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written.
@@ -117,27 +132,35 @@ class ShardFileWriter:
             if rows != self.specs[name][1][0]:
                 raise ValueError(f"{self.path.name}: {name} got {rows} encoded rows, the header says "
                                  f"{self.specs[name][1][0]}")
-            self._stored[name], self._extra[name] = self.codec.frame(pieces)
-            self._next += 1
-            return
-        data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
-        if any(p.dtype != self.dtypes[name] for p in pieces) or sum(d.nbytes for d in data) != self.nbytes[name]:
-            raise ValueError(f"{self.path.name}: {name} got {sum(d.nbytes for d in data)} bytes of "
-                             f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} bytes "
-                             f"of {self.dtypes[name]}")
-        if self.codec.encodes(self.dtypes[name]):
-            started = time.perf_counter()
-            self._stored[name] = self.codec.encode(pieces)  # in this (writer) thread: Blosc2 releases the GIL
-            self.encode_s += time.perf_counter() - started
-            self.encoded_bytes += self.nbytes[name]
-        elif self.codec.enabled:
-            self._stored[name] = [chunk.copy() for chunk in data]  # token ids, loss masks: small
+            self._keep_encoded(name, *self.codec.frame(pieces))
         else:
-            for chunk in data:
-                self._put(chunk)
+            data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
+            if any(p.dtype != self.dtypes[name] for p in pieces) or sum(d.nbytes for d in data) != self.nbytes[name]:
+                raise ValueError(f"{self.path.name}: {name} got {sum(d.nbytes for d in data)} bytes of "
+                                 f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} "
+                                 f"bytes of {self.dtypes[name]}")
+            if self.codec.encodes(self.dtypes[name]):
+                started = time.perf_counter()
+                stored = self.codec.encode(pieces)  # in this (writer) thread: Blosc2 releases the GIL
+                self.encode_s += time.perf_counter() - started
+                self.encoded_bytes += self.nbytes[name]
+                self._keep_encoded(name, stored, {})
+            elif self.codec.enabled:
+                self._kept[name] = [chunk.copy() for chunk in data]  # token ids, loss masks: small
+                for chunk in self._kept[name]:
+                    self._put(chunk)
+            else:
+                for chunk in data:
+                    self._put(chunk)
         while self._writes:  # once `write` returns the caller may reuse the pieces' memory
             self._writes.pop(0).result()
         self._next += 1
+
+    def _keep_encoded(self, name: str, stored: bytes | np.ndarray, extra: dict) -> None:
+        dtype, shape = self.specs[name]
+        self._encoded[name] = len(stored), encoded_entry(DTYPES[dtype][0], shape, stored, extra)
+        self._kept[name] = [stored]
+        self._put(stored)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         failure = None
@@ -146,14 +169,15 @@ class ShardFileWriter:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: {len(self.order) - self._next} tensors were not written "
                                      f"(next: {self.order[self._next]})")
-                if self.codec.enabled:
-                    self._put(self._header(self._stored))
-                    for name in self.order:
-                        for chunk in (self._stored[name] if isinstance(self._stored[name], list)
-                                      else [self._stored[name]]):
-                            self._put(chunk)
                 for write in self._writes:
                     write.result()
+                if self.codec.enabled:
+                    header = self._header(self._encoded, self.room)
+                    self._file.write_head(header)
+                    self._hasher.update(header)
+                    for name in self.order:
+                        for chunk in self._kept[name]:
+                            self._hasher.update(chunk)
                 self.digest = self._hasher.hexdigest()
             except BaseException as error:
                 failure = error
@@ -161,7 +185,7 @@ class ShardFileWriter:
         if exc_type is not None:
             for write in self._writes:
                 write.cancel()
-        self._stored, self._extra = {}, {}
+        self._kept, self._encoded = {}, {}
         # the helper thread ends first, then the temp file is committed (fsync, rename) or removed
         self._stack.__exit__(exc_type, exc, tb)
         if failure is not None:

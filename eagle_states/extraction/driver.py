@@ -13,6 +13,7 @@ import json
 import shutil
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,8 @@ from eagle_states.capture.worker_calls import ShardJob, ShardResult
 from eagle_states.capture.handoff import blocks_held, pinned_blocks
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
-from eagle_states.dataset.capture_format import CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION
+from eagle_states.dataset.capture_format import (CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION,
+                                                 UNCOMPRESSED_SAME_SINCE)
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import (SHARD_DIGEST, atomic_write_bytes, atomic_write_json, digest_matches,
                                         fsync_path, hash_json, json_bytes, recorded_digest)
@@ -179,9 +181,13 @@ class CaptureConfig:
                               # a step codec has no level: changing it recomputes nothing
                               **({"extract.codec_level": None} if self.codec.on_device else {})}
         self.config_hash = self._config_hash(capture_format=CAPTURE_FORMAT_VERSION)
-        # receipts written before the capture format was declared, keyed by the capture's source text
-        self.accepted_config_hashes = {self.config_hash} | {
-            self._config_hash(code=code) for code in CAPTURE_CODE_HASHES_OF_FORMAT_1 if CAPTURE_FORMAT_VERSION == 1}
+        # receipts of earlier formats whose shards are the same bytes: without a codec, those since
+        # UNCOMPRESSED_SAME_SINCE, and from before the capture format was declared, those keyed by the capture's
+        # source text (format 1)
+        same_since = UNCOMPRESSED_SAME_SINCE if not self.codec.enabled else CAPTURE_FORMAT_VERSION
+        self.accepted_config_hashes = {self._config_hash(capture_format=v)
+                                       for v in range(same_since, CAPTURE_FORMAT_VERSION + 1)} | {
+            self._config_hash(code=code) for code in CAPTURE_CODE_HASHES_OF_FORMAT_1 if same_since == 1}
         # an engine also needs room for the longest prompt it is given
         self.serving_key = hash_json({"config": self.config_hash, "max_model_len": params.extract.max_model_len})
 
@@ -391,8 +397,10 @@ class Extraction(CaptureConfig):
             if receipt is None:
                 raise RuntimeError(f"{self.out}: shard {shard.name} is not finished; cannot finalize")
             receipts.append(receipt)
-        for shard in self.shards:  # the receipts are durable before the manifest says the dataset is finished
-            fsync_path(layout.receipt_path(self.out, shard.name))
+        # the receipts are durable before the manifest says the dataset is finished; fsynced together, so that the
+        # filesystem commits its journal once for all of them (one at a time: a commit each, 10-15 ms on ext4)
+        with ThreadPoolExecutor(max_workers=16, thread_name_prefix="fsync") as pool:
+            list(pool.map(fsync_path, [layout.receipt_path(self.out, shard.name) for shard in self.shards]))
         shutil.rmtree(self.out / layout.CLAIMS_DIR, ignore_errors=True)  # left by engine workers that died
         planned = {s.name for s in self.shards}
         for folder, suffix in ((layout.SHARDS_DIR, layout.SHARD_SUFFIX), (layout.RECEIPTS_DIR, layout.RECEIPT_SUFFIX)):

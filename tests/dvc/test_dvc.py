@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle_states.dataset.capture_format import CAPTURE_FORMAT_VERSION
 from helpers import REPO
 
 BIN = Path(sys.executable).parent
@@ -90,7 +91,10 @@ def test_an_edit_of_the_capture_that_changes_no_byte_leaves_dvc_clean(repo):
         status = sh("dvc", "status", cwd=repo).stdout
         assert "extract:" not in status and "regenerate:" not in status, status
         version = repo / "eagle_states" / "dataset" / "capture_format.py"
-        version.write_text(version.read_text().replace("CAPTURE_FORMAT_VERSION = 1", "CAPTURE_FORMAT_VERSION = 2"))
+        text = version.read_text()
+        assert f"CAPTURE_FORMAT_VERSION = {CAPTURE_FORMAT_VERSION}\n" in text
+        version.write_text(text.replace(f"CAPTURE_FORMAT_VERSION = {CAPTURE_FORMAT_VERSION}",
+                                        f"CAPTURE_FORMAT_VERSION = {CAPTURE_FORMAT_VERSION + 1}"))
         status = sh("dvc", "status", cwd=repo).stdout
         assert "extract:" in status and "CAPTURE_FORMAT_VERSION" in status, status
     finally:

@@ -2,14 +2,15 @@
 with the codecs Blosc2 and fp8-e4m3) and bf16 must give shards whose bytes *our code decides* are the ones pinned
 here: the header (every key, dtype, shape, and where the uncompressed tensors lie), the metadata's fields, the
 logical dtype and shape of every compressed tensor (and so fp8's stored size: its framing), and the token ids' and
-loss masks' bytes. A change that alters them without raising
+loss masks' bytes, and where a compressed shard's tensors start (its header's room). A change that alters them
+without raising
 `CAPTURE_FORMAT_VERSION` (eagle_states/dataset/capture_format.py) fails here. The states' values are the engine's
 numerics, which differ between CPUs (this machine's AMX rounds bf16 otherwise than the machines before it), so
 they are not pinned: the Hugging Face comparisons hold them (tests/engine/test_capture_llama*.py).
 
-The pinned values were made by the release before the capture format was declared (4c5ab97; its shards and ours
-were also byte-identical on this machine), and that release's datasets are reused whole: its receipts' keys are
-accepted and no model is loaded."""
+The uncompressed values were made by the release before the capture format was declared (4c5ab97; its shards and
+ours were also byte-identical on this machine), and that release's uncompressed datasets are reused whole: its
+receipts' keys are accepted and no model is loaded. The compressed ones are format 2's (the header's room)."""
 
 import hashlib
 import json
@@ -36,9 +37,9 @@ SETTINGS = dict(shard_max_tokens=256, max_model_len=256, max_num_batched_tokens=
 # (dtype, codec): what our code decides in each shard (`decided_by_us`)
 GOLDEN = {
     ("float32", "none"): ["e22d8605920676c5", "ef63d4fac22f5c77", "6fa1c357ee70e2b8"],
-    ("float32", "blosc2-zstd"): ["2f401235572e424e", "2bb267115ae4092b", "336d9f6eb63eaa66"],
+    ("float32", "blosc2-zstd"): ["9439b735d790b9a6", "863421860b528a11", "e552ac74df6a60c2"],  # format 2
     ("bfloat16", "none"): ["6b98e1b2cfd96e63", "45654f42e8034569", "83704f570b9f07ae"],
-    ("float32", "fp8-e4m3"): ["d7b5cbb067c3bd2d", "648424af69b229ae", "667554febe0d2c06"],
+    ("float32", "fp8-e4m3"): ["412f0720cfce39b0", "061d8c67fe6f1ec8", "02c8915b0154996c"],  # format 2
 }
 # what the release before the declared format could write (fp8-e4m3 came after it)
 RELEASED_BEFORE_THE_FORMAT = [key for key in GOLDEN if key[1] != "fp8-e4m3"]
@@ -58,8 +59,10 @@ def decided_by_us(path) -> str:
     layout = {key: {"dtype": v["dtype"], "shape": v["shape"], **({} if key in encoded else {"offsets": v["data_offsets"]})}
               for key, v in sorted(header.items())}
     logical = {key: {"dtype": e["dtype"], "shape": e["shape"]} for key, e in sorted(encoded.items())}
-    digest = hashlib.sha256(json.dumps([layout, logical, sorted(k for k in metadata if k != ENCODED_KEY)],
-                                       sort_keys=True).encode())
+    decided = [layout, logical, sorted(k for k in metadata if k != ENCODED_KEY)]
+    if encoded:  # where a compressed shard's tensors start: its header's room (format 2)
+        decided.append(8 + size)
+    digest = hashlib.sha256(json.dumps(decided, sort_keys=True).encode())
     with ShardReader(path) as reader:
         for key in sorted(reader.keys()):
             if not key.split("/", 1)[1].startswith("hidden_states"):
@@ -102,7 +105,8 @@ def test_the_capture_writes_the_pinned_bytes(extracted, dtype, codec):
 def test_a_dataset_of_the_release_before_the_declared_format_is_reused_whole(extracted, llama_model, tmp_path,
                                                                              dtype, codec):
     """Its receipts carry the old key (a hash of the capture's source text) and the shard files' sha256 (BLAKE3
-    since): written back as that release wrote them, they are honoured, and the extraction loads no model."""
+    since): written back as that release wrote them, they are honoured, and the extraction loads no model. Not
+    with a codec since format 2 (its shards' header moved): those shards are computed again."""
     tmp, prompts = extracted
     out = shutil.copytree(tmp / f"{dtype}-{codec}", tmp_path / "ds")
     shards = [sha256_file(out / s["file"]) for s in read_manifest(out)["shards"]]
@@ -121,7 +125,27 @@ def test_a_dataset_of_the_release_before_the_declared_format_is_reused_whole(ext
     engines = CountingEngines()
     run_extraction(Extraction(params_for(llama_model, prompts, out, dtype, codec)), progress=False,
                    engines=EngineHolder(engines))
-    assert engines.created == 0
-    assert [s.get("sha256") for s in read_manifest(out)["shards"]] == shards  # as recorded, not rehashed
+    if codec == "none":
+        assert engines.created == 0
+        assert [s.get("sha256") for s in read_manifest(out)["shards"]] == shards  # as recorded, not rehashed
+    else:
+        assert engines.created == 1 and all("blake3" in s for s in read_manifest(out)["shards"])
     result = validate_dataset(out)
     assert result.valid, result.failures
+
+
+@pytest.mark.parametrize("codec", ["none", "blosc2-zstd"])
+def test_format_1_shards_are_kept_without_a_codec_and_computed_again_with_one(extracted, llama_model, tmp_path, codec):
+    """Format 2 moved a compressed shard's header (UNCOMPRESSED_SAME_SINCE): receipts keyed by format 1 still
+    hold for uncompressed shards, whose bytes it did not change, and not for compressed ones."""
+    tmp, prompts = extracted
+    out = shutil.copytree(tmp / f"float32-{codec}", tmp_path / "ds")
+    format_1 = Extraction(params_for(llama_model, prompts, out, "float32", codec))._config_hash(capture_format=1)
+    for receipt in (out / "receipts").glob("*.json"):
+        receipt.write_text(json.dumps({**json.loads(receipt.read_text()), "config_hash": format_1}))
+    (out / "manifest.json").unlink()
+    engines = CountingEngines()
+    run_extraction(Extraction(params_for(llama_model, prompts, out, "float32", codec)), progress=False,
+                   engines=EngineHolder(engines))
+    assert engines.created == (0 if codec == "none" else 1)
+    assert validate_dataset(out).valid

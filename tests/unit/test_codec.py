@@ -34,6 +34,10 @@ def test_what_is_read_back_is_bit_for_bit_what_was_written(tmp_path, codec, dtyp
     path = tmp_path / "shard.safetensors"
     digest, size = write_shard_file(path, tensors, codec)
     assert blake3.blake3(path.read_bytes()).hexdigest() == digest and path.stat().st_size == size
+    # the header was written last, into the room reserved for it (whole 4 KiB blocks), padded with spaces
+    header_length = int.from_bytes(path.read_bytes()[:8], "little")
+    header = path.read_bytes()[8:8 + header_length]
+    assert (8 + header_length) % 4096 == 0 and header.endswith(b" ") and header.rstrip(b" ").endswith(b"}")
     with ShardReader(path) as shard:
         assert shard.codec["name"] == codec.name and shard.codec["level"] == codec.level
         for key, value in tensors.items():
@@ -103,3 +107,22 @@ def test_with_a_codec_the_size_check_waits_for_the_first_shard_then_uses_its_rat
     assert refused.value.errno == errno.ENOSPC
     assert ("1,200 tokens x 4 layers x hidden 67108864 x float32 x 0.250, the ratio of blosc2-zstd measured on 1 "
             "finished shard") in str(refused.value)
+
+
+@pytest.mark.parametrize("codec", [ZSTD, Codec("fp8-e4m3")], ids=str)
+def test_a_compressed_shards_header_room_holds_its_widest_form_and_refuses_a_wider_one(tmp_path, codec):
+    """The room is reserved before any size is known: a header whose every number is at its widest (sizes near a
+    petabyte, the largest CRC-32, floats of 24 characters) fits; an entry with a field the codec never declared
+    does not, and is refused naming the shard rather than written over the tensors."""
+    from eagle_states.dataset.shard_file import WIDEST_CRC, WIDEST_FLOAT, WIDEST_SIZE, ShardFileWriter
+
+    specs = {"s/hidden_states/0": (torch.bfloat16, [128, 96]), "s/hidden_states/1": (torch.bfloat16, [128, 96]),
+             "s/input_ids": (torch.int32, [128]), "s/loss_mask": (torch.uint8, [128])}
+    out = ShardFileWriter(tmp_path / "shard.safetensors", specs, codec)
+    widest = {"dtype": "BF16", "shape": [128, 96], "crc32": WIDEST_CRC,
+              **{key: WIDEST_FLOAT for key in codec.entry_extras}}
+    encoded = {name: (WIDEST_SIZE, widest) for name in specs if "hidden" in name}
+    assert len(out._header(encoded, out.room)) == out.room
+    encoded["s/hidden_states/1"] = (WIDEST_SIZE, {**widest, "undeclared": "x" * out.room})
+    with pytest.raises(ValueError, match="shard.safetensors: a header of .* past its room"):
+        out._header(encoded, out.room)

@@ -56,6 +56,21 @@ def test_direct_file_writes_every_byte_across_buffers_and_an_unaligned_tail(tmp_
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_head_is_written_over_its_room_once_the_rest_is_written(tmp_path, monkeypatch, direct):
+    monkeypatch.setattr(DirectFile, "CHUNK", 2 * DirectFile.ALIGN)
+    body = os.urandom(3 * DirectFile.ALIGN + 123)
+    with atomic_file(tmp_path / "f.bin", direct=direct) as f:
+        assert isinstance(f, DirectFile) == direct
+        f.write(bytes(2 * DirectFile.ALIGN))  # the room
+        f.write(body)
+        f.write_head(b"h" * (2 * DirectFile.ALIGN))
+        if direct:
+            with pytest.raises(ValueError, match="whole blocks of 4096"):
+                f.write_head(b"h" * 100)
+    assert (tmp_path / "f.bin").read_bytes() == b"h" * (2 * DirectFile.ALIGN) + body
+
+
 def test_a_failed_direct_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         with atomic_file(tmp_path / "f.bin", direct=True) as f:
