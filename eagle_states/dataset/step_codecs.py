@@ -238,7 +238,8 @@ class NvcompStepEncoder:
 def frame_fp8(pieces: list[Fp8Piece]) -> tuple[np.ndarray, dict]:
     """The stored bytes (scales, then codes) and the entry's error record (sums of squares, float64)."""
     aux = torch.cat([p.aux for p in pieces]) if len(pieces) > 1 else pieces[0].aux
-    scales = aux[:, 0].contiguous().view(torch.uint8)
+    # a copy: `contiguous` keeps a one-row column's stride, which the byte view refuses
+    scales = aux[:, 0].clone(memory_format=torch.contiguous_format).view(torch.uint8)
     totals = aux[:, 1:].double().sum(dim=0).tolist()
     return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), {"sq_err": totals[0],
                                                                                   "sq_sum": totals[1]}

@@ -24,8 +24,9 @@ def captured_like(layers=3, rows=40, width=64, dtype=torch.float32):
     return (x * torch.arange(1, layers + 1).view(-1, 1, 1)).to(dtype)
 
 
-def write_fp8_shard(path, stacked, spans):
-    """One step holding two samples' rows (spans), written as the capture's writer does."""
+def write_fp8_shard(path, stacked, spans, split=True):
+    """One step holding samples' rows (spans), written as the capture's writer does: each sample in two pieces,
+    as chunked prefill gives it, or (`split=False`) in one."""
     step = fp8_encode_step(stacked)
     rows = step.host_rows(step.data, FP8.name)
     specs = {}
@@ -41,9 +42,9 @@ def write_fp8_shard(path, stacked, spans):
                 out.write(name, [torch.ones(stop - start, dtype=torch.uint8)])
             else:
                 slot = int(field.rsplit("/", 1)[1])
-                # a sample in two pieces, as chunked prefill gives it
                 middle = (start + stop) // 2
-                out.write(name, [rows[slot][start:middle], rows[slot][middle:stop]])
+                out.write(name, [rows[slot][start:middle], rows[slot][middle:stop]] if split
+                          else [rows[slot][start:stop]])
     return out
 
 
@@ -69,6 +70,16 @@ def test_fp8_reads_back_in_the_capture_dtype_within_its_bound_and_records_its_er
                 # per-token scale: every row's largest value comes back to within e4m3's rounding
                 assert torch.allclose(got.float().abs().amax(-1), want.abs().amax(-1), rtol=0.07)
             assert torch.equal(shard.get_tensor(f"s{i}/input_ids"), torch.arange(start, stop, dtype=torch.int32))
+
+
+def test_an_fp8_sample_of_one_row_in_one_piece_is_framed(tmp_path):
+    """A one-row column keeps its stride through `contiguous`, which a byte view refuses (found on the H200 by
+    bench/gpu_codec_check.py: a step with a one-row span)."""
+    stacked = captured_like(rows=8)
+    write_fp8_shard(tmp_path / "shard.safetensors", stacked, [(0, 1), (1, 8)], split=False)
+    with ShardReader(tmp_path / "shard.safetensors") as shard:
+        got = shard.get_tensor("s0/hidden_states/2")
+    assert got.shape == (1, 64) and torch.allclose(got, stacked[2, :1], rtol=0.07, atol=0)
 
 
 def test_fp8_is_a_byte_per_value_plus_a_scale_per_token(tmp_path):
