@@ -218,6 +218,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                # when the last shard file was committed (the rest is the index, the manifest, the driver's polls)
                "drain_backlog_gb": after.backlog_bytes / 1e9,
                "drain_writes_s": max(0.0, after.last_shard_written - after.last_hand_off),
+               "drain_assembled_s": max(0.0, after.last_sample_taken - after.last_hand_off),
                "encoded_bytes": after.encoded_bytes - before.encoded_bytes,
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
@@ -258,8 +259,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                 print(f"  capture {codec}: {c['capture_tok_s']:,.0f} tok/s | ratio {c['ratio']:.3f} | "
                       f"{c['write_gb_s']:.2f} GB/s written, {c['bytes_per_token_stored']:,.0f} bytes/token | input "
                       f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
-                      f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in host buffers, the last shard written "
-                      f"after {c['drain_writes_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, in them "
+                      f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in host buffers, the last sample at its "
+                      f"writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
+                      f"{c['drain_writes_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, in them "
                       f"{row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
                       f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
                       "(plain / capture)"
@@ -280,8 +282,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         rows = [r["captures"][codec] for r in rounds_out]
         captures[codec] = {f"{k}_median": median(c[k] for c in rows) for k in (
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
-            "drain_s", "drain_writes_s", "drain_backlog_gb", "capture_forward_s", "capture_between_forwards_s",
-            "bytes_per_token_stored", "encode_gb_s_per_writer", "encode_gb_s_device")}
+            "drain_s", "drain_assembled_s", "drain_writes_s", "drain_backlog_gb", "capture_forward_s",
+            "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer", "encode_gb_s_device")}
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
     rss.stop()
     return {
@@ -325,7 +327,8 @@ def format_result(result: dict) -> str:
             f"still draining then: {c['ratio_to_last_forward_median']:.3f})",
             f"  capture's extra time (median): input read and planned {c['setup_s_median']:.2f} s, forward stalled "
             f"on host buffers {c['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
-            f"index, manifest) {c['drain_s_median']:.2f} s, of which writes {c['drain_writes_s_median']:.2f} s, "
+            f"index, manifest) {c['drain_s_median']:.2f} s: the last sample at its writer after "
+            f"{c['drain_assembled_s_median']:.2f} s, the last shard written after {c['drain_writes_s_median']:.2f} s, "
             f"with {c['drain_backlog_gb_median']:.2f} GB still in host buffers when the last step was handed over",
             f"  device time in forward passes {c['capture_forward_s_median']:.2f} s, idle between them "
             f"{c['capture_between_forwards_s_median']:.2f} s",

@@ -121,6 +121,7 @@ class StatsReply(Message):
     pinned_wait_s: float  # the forward pass blocked on host buffers (back-pressure from writing)
     last_hand_off: float  # time.monotonic() of the last captured step
     backlog_bytes: int  # host-buffer bytes of earlier steps not yet written (or framed by a step codec), then
+    last_sample_taken: float  # time.monotonic() when a writer last got a complete sample
     last_shard_written: float  # time.monotonic() when the last shard file was committed
     forwards: int
     forward_s: float  # device time in forward passes

@@ -33,6 +33,7 @@ class ShardWriter:
         self.lock = threading.Lock()
         self.encoded_bytes, self.encode_s = 0, 0.0  # summed over the writer threads
         self.last_written = 0.0  # time.monotonic() when the last shard file was committed
+        self.last_taken = 0.0  # time.monotonic() when a writer last got a complete sample
 
     def submit(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> Future:
         """Start writing a shard whose samples `take` hands over as they are complete; waits (the assembler) while
@@ -43,7 +44,7 @@ class ShardWriter:
     def _write_shard(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> tuple[str, int]:
         try:
             order = shard_sample_order(plan.sample_ids)
-            first = take(order[0])
+            first = self._take(take, order[0])
             try:
                 like = first.chunks[0][0]  # the stream's dtype and width, from the first captured piece
                 specs = {}
@@ -52,7 +53,7 @@ class ShardWriter:
                                                      like.dtype))
                 with ShardFileWriter(Path(path), specs, plan.codec) as out:
                     for sid in order:
-                        sample = first if sid == order[0] else take(sid)
+                        sample = first if sid == order[0] else self._take(take, sid)
                         try:
                             self._write_sample(out, sid, sample, plan.loss_masks[sid])
                         finally:
@@ -70,6 +71,11 @@ class ShardWriter:
             raise
         finally:
             self.write_slots.release()
+
+    def _take(self, take: Callable[[str], CapturedSample], sample_id: str) -> CapturedSample:
+        sample = take(sample_id)
+        self.last_taken = time.monotonic()  # a float store: no lock needed between the writer threads
+        return sample
 
     def _write_sample(self, out: ShardFileWriter, sample_id: str, sample: CapturedSample, mask: list[int]):
         if len(mask) != len(sample.ids):
