@@ -261,8 +261,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                       f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
                       f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in host buffers, the last sample at its "
                       f"writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
-                      f"{c['drain_writes_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, in them "
-                      f"{row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
+                      f"{c['drain_writes_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, "
+                      f"in them {row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
                       f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
                       "(plain / capture)"
                       + "".join(f" | {key} {row[f'plain_{key}']} / {c[f'capture_{key}']}" for key in ALLOCATOR_WAITS
