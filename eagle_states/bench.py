@@ -189,7 +189,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         t0 = time.monotonic()
         engine.plain_prefill(prompts)
         plain_s = time.monotonic() - t0
-        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats()), **allocator("plain", allocator_before)}
+        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats()),
+                **allocator("plain", allocator_before)}
 
     def capture(codec: str) -> dict:
         shutil.rmtree(target, ignore_errors=True)

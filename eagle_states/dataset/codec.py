@@ -92,9 +92,8 @@ class Codec:
 
     @property
     def entry_extras(self) -> tuple[str, ...]:
-        """The numbers a compressed tensor's header entry holds beside its dtype, shape and CRC (`encoded_entry`):
-        fp8's squared error and norm (`step_codecs.frame_fp8`)."""
-        return ("sq_err", "sq_sum") if self.name == "fp8-e4m3" else ()
+        """The numbers a compressed tensor's header entry holds beside its dtype, shape and CRC (`encoded_entry`)."""
+        return LOSSY_ENTRY_EXTRAS if self.lossy else ()
 
     def encodes(self, dtype: torch.dtype) -> bool:
         """Whether a tensor of this dtype is stored compressed (the floating-point states)."""
@@ -117,6 +116,11 @@ class Codec:
                    "nthreads": self.threads}
         flat = data.view(torch.uint8).reshape(-1).numpy()
         return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
+
+
+# what a lossy codec records of each tensor (`step_codecs.frame_fp8`): its rounding error and the states' norm,
+# squared and summed
+LOSSY_ENTRY_EXTRAS = ("sq_err", "sq_sum")
 
 
 def encoded_entry(dtype_code: str, shape: list[int], stored: bytes | np.ndarray, extra: dict | None = None) -> dict:

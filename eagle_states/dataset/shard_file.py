@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle_states.dataset.codec import Codec, CorruptTensorError, decode, encoded_entry, header_metadata, read_header_metadata
+from eagle_states.dataset.codec import (LOSSY_ENTRY_EXTRAS, Codec, CorruptTensorError, decode, encoded_entry,
+                                        header_metadata, read_header_metadata)
 from eagle_states.dataset.files import atomic_file, check_regular, open_regular, shard_hasher
 from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, key_hidden_state, key_input_ids, key_loss_mask
 
@@ -76,8 +77,9 @@ class ShardFileWriter:
         self.size: int | None = None  # set with the header
         self.digest: str | None = None
         if codec.enabled:
-            widest = {"crc32": WIDEST_CRC, **{key: WIDEST_FLOAT for key in codec.entry_extras}}
-            largest = self._header({name: (WIDEST_SIZE, {"dtype": DTYPES[dtype][0], "shape": list(shape), **widest})
+            extras = {key: WIDEST_FLOAT for key in codec.entry_extras}
+            largest = self._header({name: (WIDEST_SIZE, {**encoded_entry(DTYPES[dtype][0], shape, b"", extras),
+                                                         "crc32": WIDEST_CRC})
                                     for name, (dtype, shape) in specs.items() if codec.encodes(dtype)})
             self.room = -(-len(largest) // HEADER_ALIGN) * HEADER_ALIGN
         else:
@@ -254,7 +256,7 @@ class ShardReader:
         tensor also has its "sq_err" and "sq_sum" (the rounding error and the states' norm, squared, summed)."""
         entry = self._encoded.get(key)
         if entry is not None:
-            extra = {k: entry[k] for k in ("sq_err", "sq_sum") if k in entry}
+            extra = {k: entry[k] for k in LOSSY_ENTRY_EXTRAS if k in entry}
             return {"dtype": entry["dtype"], "shape": entry["shape"], "compressed": True, **extra}
         return {"dtype": self._header[key]["dtype"], "shape": self._header[key]["shape"], "compressed": False}
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from eagle_states.dataset.codec import LOSSY_ENTRY_EXTRAS
+
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 FP8_AUX = 3  # per row: scale, squared rounding error, squared norm (float32)
 NVCOMP_TYPES = {torch.bfloat16: "<f2", torch.float16: "<f2", torch.float32: "<f4"}
@@ -241,8 +243,7 @@ def frame_fp8(pieces: list[Fp8Piece]) -> tuple[np.ndarray, dict]:
     # a copy: `contiguous` keeps a one-row column's stride, which the byte view refuses
     scales = aux[:, 0].clone(memory_format=torch.contiguous_format).view(torch.uint8)
     totals = aux[:, 1:].double().sum(dim=0).tolist()
-    return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), {"sq_err": totals[0],
-                                                                                  "sq_sum": totals[1]}
+    return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), dict(zip(LOSSY_ENTRY_EXTRAS, totals))
 
 
 def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[np.ndarray, dict]:
