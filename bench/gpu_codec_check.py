@@ -5,6 +5,8 @@ and what `ShardReader` gives back.
   written and read back bit for bit; its ratio and its own speed (device time, CUDA events) on the step.
 * fp8-e4m3: the codes and scales made on the GPU against the ones the CPU makes from the same states, its read back
   within the bound, and its speed.
+* fp8-e4m3-ans: the same step as fp8-e4m3 with its codes coded by ANS: read back bit for bit as fp8-e4m3's; its
+  ratio and speed (fp8 and ANS together).
 
     python3 bench/gpu_codec_check.py [--hidden 7168] [--rows 16384] [--layers 4] [--states FILE.safetensors]
 `--states`: real captured states (a shard of a plain dataset) instead of random ones: a random state has no
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle_states.dataset.codec import Codec  # noqa: E402
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, sample_tensor_specs  # noqa: E402
-from eagle_states.dataset.step_codecs import NvcompStepEncoder, fp8_encode_step  # noqa: E402
+from eagle_states.dataset.step_codecs import NvcompStepEncoder, fp8_ans_encode_step, fp8_encode_step  # noqa: E402
 
 
 def device_seconds(fn, repeat=3):
@@ -37,8 +39,9 @@ def device_seconds(fn, repeat=3):
     return out, start.elapsed_time(end) / 1e3 / repeat
 
 
-def roundtrip(codec: Codec, step, stacked, spans, workdir: Path) -> tuple[int, bool]:
-    """Write the step's spans as samples of a shard (the writer's path), read them back; (stored bytes, equal)."""
+def roundtrip(codec: Codec, step, stacked, spans, workdir: Path, like: Path | None = None) -> tuple[int, bool]:
+    """Write the step's spans as samples of a shard (the writer's path), read them back; (stored bytes, equal):
+    bit for bit as `stacked` (lossless), within the bound (lossy), or bit for bit as the shard `like` reads."""
     host = step.data.cpu()
     rows = step.host_rows(host, codec.name)
     layers, _, width = stacked.shape
@@ -62,7 +65,11 @@ def roundtrip(codec: Codec, step, stacked, spans, workdir: Path) -> tuple[int, b
             for slot in range(layers):
                 got = shard.get_tensor(f"s{i}/hidden_states/{slot}")
                 want = stacked[slot, start:stop].cpu()
-                if codec.lossy:
+                if like is not None:
+                    with ShardReader(like) as other:
+                        equal &= torch.equal(got.view(torch.uint8),
+                                             other.get_tensor(f"s{i}/hidden_states/{slot}").view(torch.uint8))
+                elif codec.lossy:
                     equal &= bool(((got.float() - want.float()).norm() / want.float().norm()) < 0.05)
                 else:
                     equal &= torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -116,6 +123,13 @@ def main() -> int:
     print(f"fp8-e4m3: ratio {raw / step.data.numel():.3f}, encode {raw / seconds / 1e9:.0f} GB/s (device time), "
           f"scales GPU == CPU: {scales_same}, codes differing from the CPU's: {codes_differ:.2e} of all, read back "
           f"within the bound: {close}")
+
+    with torch.cuda.stream(stream):
+        step, seconds = device_seconds(lambda: fp8_ans_encode_step(stacked, spans, encoder))
+    size, same = roundtrip(Codec("fp8-e4m3-ans"), step, stacked, spans, workdir, like=workdir / "fp8-e4m3.safetensors")
+    ok &= same
+    print(f"fp8-e4m3-ans: ratio {raw / step.data.numel():.3f} on the device ({raw / size:.3f} as a shard), encode "
+          f"{raw / seconds / 1e9:.0f} GB/s (device time, fp8 and ANS), read back bit for bit as fp8-e4m3: {same}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

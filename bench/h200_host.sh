@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   bash bench/h200_host.sh check|gil|dsv3-disk|dsv3-shm [CODECS]|rss|llama8b
+#   bash bench/h200_host.sh check [CODECS]|codecs|disk|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -14,16 +14,22 @@ bench() {  # NAME ARGS...: one bench, its text and JSON in $OUT
   tail -2 "$OUT/$name.err"
 }
 case "$1" in
-  check)
+  check)  # CODECS: default nvcomp-ans,fp8-e4m3-ans
+    set -- check "${2:-nvcomp-ans,fp8-e4m3-ans}"
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     python3 -c "import blake3, psutil; from nvidia import nvcomp; print('blake3', blake3.__version__, 'nvcomp', \
 nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.startswith('__')])"
-    python3 bench/gpu_codec_check.py 2>&1 | tee "$OUT/gpu_codec_check.txt" | tail -4
-    python3 bench/gpu_check.py /tmp/gc-nvcomp --only llama --codec nvcomp-ans >"$OUT/gpu_check_nvcomp-ans.log" 2>&1
-    echo "gpu_check nvcomp-ans: exit $?"; grep -E "PASS|FAIL|Error|error" "$OUT/gpu_check_nvcomp-ans.log" | tail -4 ;;
+    for codec in ${2//,/ }; do  # an extraction with each codec against a plain one (bench/gpu_check.py)
+      python3 bench/gpu_check.py /tmp/gc-$codec --only llama --codec $codec >"$OUT/gpu_check_$codec.log" 2>&1
+      echo "gpu_check $codec: exit $?"; grep -E "PASS|FAIL|Error|error" "$OUT/gpu_check_$codec.log" | tail -4
+    done ;;
+  codecs)  # the step codecs alone: a step encoded, written, read back (bench/gpu_codec_check.py)
+    python3 bench/gpu_codec_check.py 2>&1 | tee "$OUT/gpu_codec_check.txt" | tail -5 ;;
+  disk)  # /dev/shm written buffered, as shards are now, and through O_DIRECT, as they were
+    python3 bench/disk_check.py /dev/shm/disk-check 4 2>&1 | tee "$OUT/disk_check_shm.txt"; rm -rf /dev/shm/disk-check ;;
   dsv3-disk)
     make_dsv3
-    bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 --codecs none,nvcomp-ans,fp8-e4m3 ;;
+    bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 --codecs ${2:-none,nvcomp-ans,fp8-e4m3} ;;
   gil)  # does nvCOMP's host API stop the forward thread's kernel launches while it waits? (bench/RESULTS.md)
     python3 bench/nvcomp_gil_check.py 2>&1 | tee "$OUT/nvcomp_gil_check.txt"
     python3 bench/framing_gil_check.py 2>&1 | tee "$OUT/framing_gil_check.txt" ;;

@@ -99,7 +99,9 @@ class ExtractParams(_Section):
         "none", description="how the hidden states are stored: none; blosc2-zstd, blosc2-lz4 (lossless, on the "
                             "host: byte shuffle, then zstd or lz4); nvcomp-ans (lossless, on the GPU before the copy; "
                             "decodes on a GPU only); fp8-e4m3 (LOSSY, opt-in: a byte per value and a float32 scale "
-                            "per token, read back in extract.dtype; its error is measured and validated per layer). "
+                            "per token, read back in extract.dtype; its error is measured and validated per layer); "
+                            "fp8-e4m3-ans (fp8-e4m3, its codes then coded by nvCOMP's ANS on the GPU: LOSSY, decodes "
+                            "on a GPU only). "
                             "bench/RESULTS.md has the ratios and speeds")
     codec_level: int = Field(1, ge=1, le=9, description="the entropy coder's level (1: fastest)")
     codec_threads: int = Field(1, ge=1, description="Blosc2 threads per shard writer (at most write_threads x "

@@ -26,7 +26,7 @@ from eagle_states.dataset.layout import LAYER_SEMANTICS
 from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
 from eagle_states.dataset.prepared import SAMPLES_FILE, prepared_input_hash, read_sample_ids
 from eagle_states.dataset.shard_file import CODE_OF_NAME, ShardReader
-from eagle_states.dataset.step_codecs import require_cuda_decoder
+from eagle_states.dataset.step_codecs import require_decoder
 
 log = logging.getLogger(__name__)
 FAILURES_SUFFIX = "_failures.csv"
@@ -295,8 +295,7 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
         manifest = read_manifest(dataset_dir)
     except BadManifest as exc:  # not one this project writes (a shard path leaving the dataset included)
         return _refused_manifest(dataset_dir, exc, report)
-    if codec_record(manifest)["name"] == "nvcomp-ans":
-        require_cuda_decoder(dataset_dir)
+    require_decoder(dataset_dir, codec_record(manifest)["name"])
     key = _record_key(dataset_dir, manifest, prepared_dir, min_loss_tokens)
     record = read_record(dataset_dir)
     if reuse and record and record.get("key") == key and record["summary"].get("valid"):

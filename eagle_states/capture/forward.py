@@ -38,8 +38,8 @@ from eagle_states.capture import protocol as p
 from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest, pinned_blocks
 from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
                                            UnsupportedRunnerError)
-from eagle_states.dataset.codec import Codec
-from eagle_states.dataset.step_codecs import EncodedStep, NvcompStepEncoder, fp8_encode_step
+from eagle_states.dataset.codec import NVCOMP_CODECS, Codec
+from eagle_states.dataset.step_codecs import EncodedStep, NvcompStepEncoder, fp8_ans_encode_step, fp8_encode_step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ class _ForwardClock:
 
 class PinnedPool:
     """Pinned host blocks for steps in flight (CUDA), reused: pinning memory per step is slow. Taken by the forward
-    thread (by the assembler for nvcomp-ans steps), given back by the assembler and the writers."""
+    thread (by the assembler for nvCOMP codecs' steps), given back by the assembler and the writers."""
 
     def __init__(self, num_states: int, max_num_tokens: int, budget_bytes: int):
         self.num_states, self.max_num_tokens, self.budget_bytes = num_states, max_num_tokens, budget_bytes
@@ -223,9 +223,10 @@ class PinnedPool:
 
 
 class StepEncoding:
-    """The step codecs (`extract.codec` fp8-e4m3, nvcomp-ans) where a step's states are, before the copy, timed on
-    the device's timeline. nvcomp-ans runs on its own stream from the assembler thread (nvCOMP's host API waits for
-    its output sizes): at most DEVICE_STEPS steps wait for it on the device, then the forward pass waits."""
+    """The step codecs (`extract.codec` fp8-e4m3, nvcomp-ans, fp8-e4m3-ans) where a step's states are, before the
+    copy, timed on the device's timeline. The nvCOMP codecs run on their own stream from the assembler thread
+    (nvCOMP's host API waits for its output sizes): at most DEVICE_STEPS steps wait for it on the device, then the
+    forward pass waits."""
 
     DEVICE_STEPS = 3
 
@@ -233,7 +234,7 @@ class StepEncoding:
         self.clock, self.is_cuda = clock, is_cuda
         self.stream = torch.cuda.Stream() if is_cuda else None
         self.device_steps = threading.BoundedSemaphore(self.DEVICE_STEPS)
-        self.nvcomp: NvcompStepEncoder | None = None  # made on the first nvcomp-ans step, in the thread using it
+        self.nvcomp: NvcompStepEncoder | None = None  # made on the first nvCOMP step, in the thread using it
         self.timing: list = []  # (start, end, bytes) of encodes not yet counted
         self.lock = threading.Lock()  # encodes run on the forward and the assembler threads
         self.encoded_bytes, self.encode_s = 0, 0.0
@@ -245,7 +246,8 @@ class StepEncoding:
             encoded = fp8_encode_step(stacked)
         else:
             self.nvcomp = self.nvcomp or NvcompStepEncoder(self.stream)
-            encoded = self.nvcomp(stacked, spans)
+            encoded = (self.nvcomp(stacked, spans) if codec.name == "nvcomp-ans" else
+                       fp8_ans_encode_step(stacked, spans, self.nvcomp))
         with self.lock:
             self.timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
         return encoded
@@ -271,7 +273,7 @@ class _DeviceStep:
     input_ids: torch.Tensor
     stacked: torch.Tensor | None  # (layers, rows, hidden): one copy to the host instead of one per layer
     codec: Codec  # its shard's: a step codec encodes it before the copy
-    spans: list[tuple[int, int]]  # the row spans samples take from it (what nvcomp-ans encodes apart)
+    spans: list[tuple[int, int]]  # the row spans samples take from it (what nvCOMP encodes apart)
 
 
 class ForwardCapture:
@@ -423,7 +425,7 @@ class ForwardCapture:
                     t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
             positions = step.positions.to("cpu", non_blocking=True)
             input_ids = step.input_ids.to("cpu", non_blocking=True)
-            deferred = step.stacked is not None and step.codec.name == "nvcomp-ans"
+            deferred = step.stacked is not None and step.codec.name in NVCOMP_CODECS
             if deferred:
                 # nvCOMP's host API waits for its output sizes: that wait must not hold up the next forward pass
                 waited = time.monotonic()
@@ -446,7 +448,7 @@ class ForwardCapture:
 
     def _finish_nvcomp(self, step: _DeviceStep, positions: torch.Tensor, input_ids: torch.Tensor,
                        copied: torch.cuda.Event) -> Step:
-        """An nvcomp-ans step encoded and copied to the host, in the assembler thread; `positions`, `input_ids`:
+        """An nvCOMP codec's step encoded and copied to the host, in the assembler thread; `positions`, `input_ids`:
         its host copies, which the forward thread queued (done once `copied` is)."""
         try:
             stream = self.encoding.stream

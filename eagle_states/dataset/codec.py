@@ -2,7 +2,8 @@
 safetensors file, and how it is read back.
 
 Blosc2 (`blosc2-zstd`, `blosc2-lz4`) compresses on the host, in the shard writers; the step codecs (`fp8-e4m3`,
-lossy and opt-in; `nvcomp-ans`, lossless, CUDA) encode on the device before the copy (`step_codecs.py`). All are
+lossy and opt-in; `nvcomp-ans`, lossless, CUDA; `fp8-e4m3-ans`, both) encode on the device before the copy
+(`step_codecs.py`). All are
 stored the same way: a Blosc2 tensor is a `U8` safetensors entry holding one Blosc2 frame (`SChunk.to_cframe()`: chunks of
 `CHUNK_BYTES`, each split into its byte planes by Blosc2's shuffle filter, then entropy-coded by zstd or lz4).
 Its logical dtype and shape, and a CRC-32 of the stored bytes, are in the file's `__metadata__` (`ENCODED_KEY`), so
@@ -25,8 +26,11 @@ if TYPE_CHECKING:  # torch and numpy load when a tensor is encoded or decoded, n
 CODEC_KEY = "eagle_states.codec"  # __metadata__: the codec's record (JSON)
 ENCODED_KEY = "eagle_states.encoded"  # __metadata__: key -> {dtype, shape, crc32} of each compressed tensor (JSON)
 CHUNK_BYTES = 8 << 20  # Blosc2 chunk: large enough for its blocks to find the byte planes' statistics
-NAMES = ("none", "blosc2-zstd", "blosc2-lz4", "fp8-e4m3", "nvcomp-ans")  # what `extract.codec` accepts
-STEP_CODECS = ("fp8-e4m3", "nvcomp-ans")  # encoded per engine step on the device (step_codecs.py)
+NAMES = ("none", "blosc2-zstd", "blosc2-lz4", "fp8-e4m3", "nvcomp-ans", "fp8-e4m3-ans")  # what `extract.codec` accepts
+STEP_CODECS = ("fp8-e4m3", "nvcomp-ans", "fp8-e4m3-ans")  # encoded per engine step on the device (step_codecs.py)
+LOSSY_CODECS = ("fp8-e4m3", "fp8-e4m3-ans")
+# nvCOMP's ANS: encoded through its host API (which waits for its output sizes), decoded on a CUDA device only
+NVCOMP_CODECS = ("nvcomp-ans", "fp8-e4m3-ans")
 # the fp8 codec's bound on a layer's relative error (sqrt of the summed squared error over the summed squared
 # norm): e4m3 keeps 3 mantissa bits, about 2.7 % on captured states; past this bound a layer is invalid
 FP8_MAX_RELATIVE_ERROR = 0.05
@@ -70,21 +74,25 @@ class Codec:
 
     @property
     def lossy(self) -> bool:
-        return self.name == "fp8-e4m3"
+        return self.name in LOSSY_CODECS
 
     def record(self) -> dict:
         """What the manifest and each shard's header say of the codec: enough to read the data and to know which
         library version made it."""
         if not self.enabled:
             return {"name": "none"}
-        if self.name == "fp8-e4m3":
-            return {"name": self.name, "lossy": True, "scale": "per token and layer: amax / 448, float32",
-                    "stored": "scales float32 [T], then e4m3 codes [T, H]",
-                    "max_relative_error": FP8_MAX_RELATIVE_ERROR}
-        if self.name == "nvcomp-ans":
+        record = {"name": self.name}
+        if self.lossy:
+            record.update(lossy=True, scale="per token and layer: amax / 448, float32",
+                          max_relative_error=FP8_MAX_RELATIVE_ERROR,
+                          stored="scales float32 [T], then e4m3 codes [T, H]" if self.name == "fp8-e4m3" else
+                          "scales float32 [T], then the e4m3 codes [T, H] in nvCOMP ANS buffers (bytes)")
+        if self.name in NVCOMP_CODECS:
             from eagle_states.dataset.step_codecs import nvcomp_version
 
-            return {"name": self.name, "algorithm": "ANS", "decodes_on": "cuda", "nvcomp": nvcomp_version()}
+            record.update(algorithm="ANS", decodes_on="cuda", nvcomp=nvcomp_version())
+        if self.name in STEP_CODECS:
+            return record
         import blosc2
 
         return {"name": self.name, "level": self.level, "filter": "shuffle", "chunk_bytes": CHUNK_BYTES,
@@ -103,7 +111,7 @@ class Codec:
         """A step codec's pieces of one tensor (`step_codecs`), as stored, with what its entry records."""
         from eagle_states.dataset import step_codecs
 
-        return (step_codecs.frame_fp8 if self.name == "fp8-e4m3" else step_codecs.frame_nvcomp)(pieces)
+        return step_codecs.FRAMES[self.name](pieces)
 
     def encode(self, pieces: list[torch.Tensor]) -> bytes:
         """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
@@ -157,8 +165,7 @@ def decode(stored: np.ndarray, entry: dict, dtype: torch.dtype, threads: int = 1
         from eagle_states.dataset import step_codecs
 
         try:
-            return (step_codecs.decode_fp8 if codec == "fp8-e4m3" else step_codecs.decode_nvcomp)(
-                stored, key_shape, dtype)
+            return step_codecs.DECODERS[codec](stored, key_shape, dtype)
         except ValueError as exc:
             raise CorruptTensorError(f"does not decode: {exc}") from None
     blosc2 = _blosc2()

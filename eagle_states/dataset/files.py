@@ -79,8 +79,26 @@ class StreamingFile:
         self.handed = self.written
 
 
+# Filesystems whose files are page-cache pages themselves (Linux statfs f_type): O_DIRECT there keeps nothing out
+# of the cache and only adds DirectFile's copy into its buffers (into /dev/shm on a 2-core machine: 2.7-2.9 GB/s
+# through DirectFile, 3.3-3.5 buffered).
+IN_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def in_memory_filesystem(path: Path) -> bool:
+    """Whether `path` (an existing file or directory) is on tmpfs or ramfs; False where statfs cannot say."""
+    try:
+        statfs = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs; its first field is f_type, a C long on 64-bit Linux
+    if statfs(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in IN_MEMORY_FILESYSTEMS
+
+
 class DirectFile:
-    """A file written past the page cache (O_DIRECT), for shards: data is copied into two page-aligned buffers,
+    """A file written past the page cache (O_DIRECT), for shards on a disk: data is copied into two page-aligned buffers,
     one filling while a helper thread writes the other to the disk; `finish` writes the last, partial block
     padded and truncates the file to its length.
 
@@ -161,7 +179,7 @@ class DirectFile:
 @contextlib.contextmanager
 def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Iterator[StreamingFile | DirectFile]:
     """A file at a temp name in the same directory, written through `StreamingFile` (or `DirectFile` with
-    `direct`, where the filesystem takes O_DIRECT); on success it is fsynced and renamed to `path`, on failure
+    `direct`, where the filesystem takes O_DIRECT and is not in memory); on success it is fsynced and renamed to `path`, on failure
     removed: a crash never leaves a partial file under the final name. `durable=False` skips the fsync, for
     small files that a caller makes durable later with `fsync_path` (an fsync waits for the filesystem journal,
     which can wait for gigabytes of other files' writes in flight). Once a stop on a signal has begun
@@ -173,7 +191,7 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
     os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600; a trainer's account must read the dataset
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
-            out = (DirectFile.open(tmp) if direct else None) or StreamingFile(raw)
+            out = (DirectFile.open(tmp) if direct and not in_memory_filesystem(tmp) else None) or StreamingFile(raw)
             try:
                 yield out
                 if isinstance(out, DirectFile):

@@ -14,7 +14,7 @@ from eagle_states.dataset.layout import (INDEX_FILE, LayerSelection, key_hidden_
 from eagle_states.dataset.files import check_regular, digest_matches
 from eagle_states.dataset.manifest import BadManifest, codec_record, layer_selection, read_manifest
 from eagle_states.dataset.shard_file import ShardReader
-from eagle_states.dataset.step_codecs import require_cuda_decoder
+from eagle_states.dataset.step_codecs import require_decoder
 
 
 class ChangedShard(ValueError):
@@ -38,8 +38,7 @@ class Dataset:
 
         self.dir, self.threads = Path(dataset_dir), threads
         self.manifest = read_manifest(self.dir)
-        if codec_record(self.manifest)["name"] == "nvcomp-ans":
-            require_cuda_decoder(self.dir)
+        require_decoder(self.dir, codec_record(self.manifest)["name"])
         self.layers: LayerSelection = layer_selection(self.manifest)
         self.index = pd.read_parquet(check_regular(self.dir / INDEX_FILE))
         self._entries = {s["name"]: s for s in self.manifest["shards"]}

@@ -14,21 +14,28 @@ so a step codec must encode row spans independently:
   buffer's stored and decoded size, then the buffers (nvCOMP's native bitstream). nvCOMP decodes on a CUDA device
   only: a machine without one reads the exports made from such a dataset, not the dataset. The buffers follow how
   the scheduler split a sample into steps, so a shard computed again holds the same states in other bytes.
+* `fp8-e4m3-ans` (lossy, opt-in, CUDA only): fp8-e4m3's codes and scales, the codes of each (layer, span) then coded
+  by nvCOMP's ANS as bytes (e4m3's exponent bits are skewed like bf16's: about 1.18 x more). Stored: scales float32
+  [T], then the codes' nvCOMP buffers framed as nvcomp-ans frames them. Decodes on a CUDA device only, as
+  nvcomp-ans; its bytes follow the scheduler's steps in the same way.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from eagle_states.dataset.codec import LOSSY_ENTRY_EXTRAS
+from eagle_states.dataset.codec import LOSSY_ENTRY_EXTRAS, NVCOMP_CODECS
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 FP8_AUX = 3  # per row: scale, squared rounding error, squared norm (float32)
-NVCOMP_TYPES = {torch.bfloat16: "<f2", torch.float16: "<f2", torch.float32: "<f4"}
+NVCOMP_TYPES = {torch.bfloat16: "<f2", torch.float16: "<f2", torch.float32: "<f4", torch.uint8: "|u1"}
+# the torch dtype nvCOMP's batch entries are carved as, by element size: an entry takes its type from its buffer
+NVCOMP_VIEWS = {1: torch.uint8, 2: torch.float16, 4: torch.float32}
 
 
 class CodecUnavailable(RuntimeError):
@@ -39,17 +46,18 @@ def nvcomp_module():
     try:
         from nvidia import nvcomp
     except ImportError:
-        raise CodecUnavailable("the nvcomp-ans codec needs nvCOMP's Python package: pip install "
+        raise CodecUnavailable(f"{' and '.join(NVCOMP_CODECS)} need nvCOMP's Python package: pip install "
                                "nvidia-nvcomp-cu13 nvidia-libnvcomp-cu13 (or eagle-states[gpu-codec])") from None
     return nvcomp
 
 
-def require_cuda_decoder(what) -> None:
-    """A dataset stored with nvcomp-ans is read where it can be decoded, or refused at once, saying so."""
-    import torch
-
+def require_decoder(what, codec_name: str) -> None:
+    """Data stored with `codec_name` is read where it can be decoded, or refused at once, saying so: an nvCOMP
+    codec's needs a CUDA device and nvCOMP."""
+    if codec_name not in NVCOMP_CODECS:
+        return
     if not torch.cuda.is_available():
-        raise CodecUnavailable(f"{what} is stored with nvcomp-ans, which decodes on a CUDA device only: read it on "
+        raise CodecUnavailable(f"{what} is stored with {codec_name}, which decodes on a CUDA device only: read it on "
                                "a GPU machine, or the exports made from it (eagle-states export) anywhere")
     nvcomp_module()
 
@@ -88,6 +96,27 @@ class NvcompPiece:
     def shape(self) -> tuple[int, int]:
         return self.rows, self.width
 
+    @property
+    def decoded_bytes(self) -> int:
+        return self.rows * self.width * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Fp8AnsPiece:
+    blob: torch.Tensor  # uint8: one nvCOMP native buffer of e4m3 codes
+    aux: torch.Tensor  # float32 [rows, FP8_AUX]
+    rows: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.width
+
+    @property
+    def decoded_bytes(self) -> int:
+        return self.rows * self.width  # a byte per code
+
 
 class Fp8Rows:
     """One layer slot of an fp8 step on the host: sliced by rows like the plain states."""
@@ -103,10 +132,10 @@ class NvcompRows:
     """One layer slot of an nvCOMP step on the host: the spans it was encoded in, each one piece. Only those exact
     spans can be taken (the capture encodes the spans it will assemble)."""
 
-    def __init__(self, pieces: dict[tuple[int, int], NvcompPiece]):
+    def __init__(self, pieces: dict[tuple[int, int], NvcompPiece | Fp8AnsPiece]):
         self.pieces = pieces
 
-    def __getitem__(self, rows: slice) -> NvcompPiece:
+    def __getitem__(self, rows: slice) -> NvcompPiece | Fp8AnsPiece:
         try:
             return self.pieces[(rows.start, rows.stop)]
         except KeyError:
@@ -123,26 +152,33 @@ class EncodedStep:
     rows: int
     width: int
     dtype: torch.dtype  # of the states
-    spans: tuple[tuple[int, int], ...] = ()  # nvcomp-ans: the encoded row spans
-    sizes: tuple[int, ...] = ()  # nvcomp-ans: the bytes of each (layer, span) buffer, layer-major
+    spans: tuple[tuple[int, int], ...] = ()  # nvCOMP codecs: the encoded row spans
+    sizes: tuple[int, ...] = ()  # nvCOMP codecs: the bytes of each (layer, span) buffer, layer-major
 
     def host_rows(self, host: torch.Tensor, codec_name: str) -> list:
         """Per layer slot, the rows of this step in `host` (the copy of `data`), as the assembler slices them."""
         if codec_name == "fp8-e4m3":
             n = self.layers * self.rows * self.width
             codes = host[:n].view(self.layers, self.rows, self.width)
-            aux = host[n:n + self.layers * self.rows * FP8_AUX * 4].view(torch.float32).view(
-                self.layers, self.rows, FP8_AUX)
-            return [Fp8Rows(codes[slot], aux[slot], self.dtype) for slot in range(self.layers)]
+            return [Fp8Rows(codes[slot], aux, self.dtype) for slot, aux in enumerate(self._aux(host, n))]
+        auxes = self._aux(host, sum(self.sizes)) if codec_name == "fp8-e4m3-ans" else None
         out, offset, sizes = [], 0, iter(self.sizes)
-        for _ in range(self.layers):
+        for slot in range(self.layers):
             pieces = {}
             for start, stop in self.spans:
                 size = next(sizes)
-                pieces[(start, stop)] = NvcompPiece(host[offset:offset + size], stop - start, self.width, self.dtype)
+                blob = host[offset:offset + size]
+                pieces[(start, stop)] = (NvcompPiece(blob, stop - start, self.width, self.dtype) if auxes is None else
+                                         Fp8AnsPiece(blob, auxes[slot][start:stop], stop - start, self.width,
+                                                     self.dtype))
                 offset += size
             out.append(NvcompRows(pieces))
         return out
+
+    def _aux(self, host: torch.Tensor, at: int) -> torch.Tensor:
+        """fp8's per-row (scale, squared error, squared norm), [L, R, FP8_AUX], stored in `host` from byte `at`."""
+        n = self.layers * self.rows * FP8_AUX * 4
+        return host[at:at + n].view(torch.float32).view(self.layers, self.rows, FP8_AUX)
 
 
 def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
@@ -164,6 +200,18 @@ def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
                        stacked.dtype)
 
 
+def fp8_ans_encode_step(stacked: torch.Tensor, spans: list[tuple[int, int]], ans: NvcompStepEncoder
+                        ) -> EncodedStep:
+    """fp8-e4m3's codes and per-row numbers, the codes of each (layer, span) coded by `ans` as bytes; stored:
+    the buffers, then the per-row numbers (as fp8-e4m3 stores them after its codes)."""
+    fp8 = fp8_encode_step(stacked)
+    layers, rows, width = stacked.shape
+    n = layers * rows * width
+    coded = ans(fp8.data[:n].view(layers, rows, width), spans)
+    return EncodedStep(torch.cat([coded.data, fp8.data[n:]]), layers, rows, width, stacked.dtype, coded.spans,
+                       coded.sizes)
+
+
 def _aligned(sizes: list[int], align: int = 256) -> list[int]:
     """Offsets of entries of these sizes laid end to end, each aligned (nvCOMP's buffers need aligned starts)."""
     offsets, at = [], 0
@@ -176,8 +224,9 @@ def _aligned(sizes: list[int], align: int = 256) -> list[int]:
 class NvcompStepEncoder:
     """nvCOMP ANS on a step's (layer, span) buffers, in one batched call on `stream` (the capture's encoder stream,
     from its assembler thread, beside the next forward pass; the caller has waited for the step's states). One per
-    capture: an nvCOMP codec is not shared between threads. Input and output are carved from torch tensors (`as_arrays` with an offset table):
-    nvCOMP 6.0.0's own batch entries, taken through DLPack, corrupted the host heap (bench/RESULTS.md)."""
+    capture: an nvCOMP codec is not shared between threads. Input and output are carved from torch tensors
+    (`as_arrays` with an offset table): nvCOMP 6.0.0's own batch entries, taken through DLPack, corrupted the host
+    heap (bench/RESULTS.md). The states' float type, or bytes (fp8-e4m3-ans's codes)."""
 
     # nvCOMP lets go of a batch of arrays with a device-wide wait (cudaFree) holding the GIL: the forward thread then
     # launches nothing until the model's queued kernels are done (measured: 41 ms behind 50 ms of work on another
@@ -209,7 +258,7 @@ class NvcompStepEncoder:
             self.inp = torch.empty(nbytes, dtype=torch.uint8, device=stacked.device)
         with torch.cuda.stream(self.stream):
             self.inp[:nbytes].copy_(stacked.reshape(-1).view(torch.uint8))
-        flat = self.inp[:nbytes].view(torch.float16 if stacked.element_size() == 2 else torch.float32)
+        flat = self.inp[:nbytes].view(NVCOMP_VIEWS[stacked.element_size()])
         offsets = [(slot * rows + start) * row_bytes for slot in range(layers) for start, _ in spans]
         sizes = [(stop - start) * row_bytes for _ in range(layers) for start, stop in spans]
         room = [size + size // 4 + (1 << 20) for size in sizes]  # nvCOMP asks for 1.17 x on incompressible data
@@ -237,20 +286,40 @@ class NvcompStepEncoder:
 # Framed by torch.cat, which lets go of the GIL while it copies (numpy's tobytes and bytes.join hold it): eight
 # writer threads frame each step's tensors while vLLM launches the model's kernels from a Python thread
 # (bench/framing_gil_check.py). The stored bytes are a uint8 array.
-def frame_fp8(pieces: list[Fp8Piece]) -> tuple[np.ndarray, dict]:
-    """The stored bytes (scales, then codes) and the entry's error record (sums of squares, float64)."""
+def _fp8_scales(pieces: list[Fp8Piece] | list[Fp8AnsPiece]) -> tuple[torch.Tensor, dict]:
+    """The scales' stored bytes (float32 [T]) and the entry's error record (sums of squares, float64)."""
     aux = torch.cat([p.aux for p in pieces]) if len(pieces) > 1 else pieces[0].aux
     # a copy: `contiguous` keeps a one-row column's stride, which the byte view refuses
     scales = aux[:, 0].clone(memory_format=torch.contiguous_format).view(torch.uint8)
-    totals = aux[:, 1:].double().sum(dim=0).tolist()
-    return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), dict(zip(LOSSY_ENTRY_EXTRAS, totals))
+    return scales, dict(zip(LOSSY_ENTRY_EXTRAS, aux[:, 1:].double().sum(dim=0).tolist()))
+
+
+def _nvcomp_frame(pieces: list[NvcompPiece] | list[Fp8AnsPiece]) -> list[torch.Tensor]:
+    """A count, each buffer's stored and decoded size, then the buffers."""
+    sizes = [n for p in pieces for n in (p.blob.numel(), p.decoded_bytes)]
+    head = torch.frombuffer(bytearray(struct.pack(f"<I{len(sizes)}Q", len(pieces), *sizes)), dtype=torch.uint8)
+    return [head, *(p.blob for p in pieces)]
+
+
+def frame_fp8(pieces: list[Fp8Piece]) -> tuple[np.ndarray, dict]:
+    """The stored bytes (scales, then codes) and the entry's error record."""
+    scales, errors = _fp8_scales(pieces)
+    return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), errors
 
 
 def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[np.ndarray, dict]:
-    """A count, each buffer's stored and decoded size, then the buffers."""
-    sizes = [n for p in pieces for n in (p.blob.numel(), p.rows * p.width * p.dtype.itemsize)]
-    head = torch.frombuffer(bytearray(struct.pack(f"<I{len(sizes)}Q", len(pieces), *sizes)), dtype=torch.uint8)
-    return torch.cat([head, *(p.blob for p in pieces)]).numpy(), {}
+    return torch.cat(_nvcomp_frame(pieces)).numpy(), {}
+
+
+def frame_fp8_ans(pieces: list[Fp8AnsPiece]) -> tuple[np.ndarray, dict]:
+    """The stored bytes (scales, then the codes' nvCOMP frame) and the entry's error record."""
+    scales, errors = _fp8_scales(pieces)
+    return torch.cat([scales, *_nvcomp_frame(pieces)]).numpy(), errors
+
+
+def _from_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 codes (uint8 [T, H]) times their rows' float32 scales, in `dtype`."""
+    return (codes.view(torch.float8_e4m3fn).float() * scales[:, None]).to(dtype)
 
 
 def decode_fp8(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -258,9 +327,7 @@ def decode_fp8(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torc
     if stored.nbytes != tokens * 4 + tokens * width:
         raise ValueError(f"{stored.nbytes:,} bytes, an fp8 tensor of shape {shape} has {tokens * (4 + width):,}")
     data = torch.from_numpy(stored)
-    scales = data[:tokens * 4].view(torch.float32)
-    codes = data[tokens * 4:].view(torch.float8_e4m3fn).view(tokens, width)
-    return (codes.float() * scales[:, None]).to(dtype)
+    return _from_fp8(data[tokens * 4:].view(tokens, width), data[:tokens * 4].view(torch.float32), dtype)
 
 
 def nvcomp_buffers(stored: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
@@ -279,14 +346,14 @@ def nvcomp_buffers(stored: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
     return [stored[ends[i]:ends[i + 1]] for i in range(count)], decoded
 
 
-def decode_nvcomp(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Decoded on the CUDA device (nvCOMP's ANS has no host decoder), from and into torch tensors."""
+def _nvcomp_decode(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An nvCOMP frame's buffers decoded on the CUDA device (nvCOMP's ANS has no host decoder) as the type they
+    were encoded as (`dtype`'s), into a tensor of `shape` there."""
     buffers, decoded = nvcomp_buffers(stored)
-    out = torch.empty(shape, dtype=dtype)
-    if sum(decoded) != out.numel() * out.element_size():
-        raise ValueError(f"decodes to {sum(decoded):,} bytes, the shape {shape} needs "
-                         f"{out.numel() * out.element_size():,}")
-    require_cuda_decoder("this tensor")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if sum(decoded) != nbytes:
+        raise ValueError(f"decodes to {sum(decoded):,} bytes, the shape {shape} needs {nbytes:,}")
+    require_decoder("this tensor", "nvcomp-ans")
     nvcomp = nvcomp_module()
     lengths = [b.nbytes for b in buffers]
     src_offsets, out_offsets = _aligned(lengths), _aligned(decoded)
@@ -302,6 +369,23 @@ def decode_nvcomp(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> t
     codec.decode(nvcomp.as_arrays(src, src_offsets[:-1], lengths, cuda_stream=stream), out=result)
     if list(result.buffer_sizes) != decoded:
         raise ValueError(f"buffers decode to {list(result.buffer_sizes)} bytes, the frame says {decoded}")
-    flat = torch.cat([dst[at:at + size] for at, size in zip(out_offsets, decoded)]).cpu()
-    out.reshape(-1).view(torch.uint8).copy_(flat)
-    return out
+    return torch.cat([dst[at:at + size] for at, size in zip(out_offsets, decoded)]).view(dtype).view(shape)
+
+
+def decode_nvcomp(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return _nvcomp_decode(stored, shape, dtype).cpu()
+
+
+def decode_fp8_ans(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The codes decoded and scaled on the CUDA device (the same arithmetic as `decode_fp8`, the same values)."""
+    tokens, _ = shape
+    if stored.nbytes < tokens * 4:
+        raise ValueError(f"{stored.nbytes:,} bytes, shorter than the {tokens:,} scales of shape {shape}")
+    codes = _nvcomp_decode(stored[tokens * 4:], shape, torch.uint8)
+    scales = torch.from_numpy(stored[:tokens * 4]).view(torch.float32).to(codes.device)
+    return _from_fp8(codes, scales, dtype).cpu()
+
+
+# by codec name: a tensor's pieces framed into its stored bytes, and its stored bytes read back
+FRAMES = {"fp8-e4m3": frame_fp8, "nvcomp-ans": frame_nvcomp, "fp8-e4m3-ans": frame_fp8_ans}
+DECODERS = {"fp8-e4m3": decode_fp8, "nvcomp-ans": decode_nvcomp, "fp8-e4m3-ans": decode_fp8_ans}

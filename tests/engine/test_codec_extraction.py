@@ -172,18 +172,20 @@ def test_fp8_reads_back_within_its_bound_of_the_plain_states_and_validation_meas
     assert (tmp_path / "speculators" / EXPORT_FILE).exists()
 
 
-def test_nvcomp_where_it_cannot_run_is_refused_saying_what_it_needs(run, tmp_path):
+@pytest.mark.parametrize("codec", ["nvcomp-ans", "fp8-e4m3-ans"])
+def test_nvcomp_where_it_cannot_run_is_refused_saying_what_it_needs(run, tmp_path, codec):
     """Without nvCOMP's package (CI) the settings are refused before any shard; with it, the CPU build's engine
     refuses the first step: nothing is written that this machine could not read back."""
-    with pytest.raises(RuntimeError, match="nvcomp-ans (codec needs nvCOMP|encodes on a CUDA device)"):
-        run("nvcomp-ans", out=tmp_path / "dataset")
+    with pytest.raises(RuntimeError, match=f"{codec}( and .*)? need nvCOMP|{codec} encodes on a CUDA device"):
+        run(codec, out=tmp_path / "dataset")
     assert not (tmp_path / "dataset" / "manifest.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a CUDA device")
-def test_an_nvcomp_dataset_on_a_machine_without_a_gpu_is_refused_at_once_in_one_line(run, tmp_path, capsys):
-    """A dataset made with nvcomp-ans on a GPU machine and copied here: `Dataset`, `validate` and `export` refuse
-    it from its manifest, before any shard is read, and the CLI says so in one line (exit 2)."""
+@pytest.mark.parametrize("codec", ["nvcomp-ans", "fp8-e4m3-ans"])
+def test_an_nvcomp_dataset_on_a_machine_without_a_gpu_is_refused_at_once_in_one_line(run, tmp_path, capsys, codec):
+    """A dataset made with an nvCOMP codec on a GPU machine and copied here: `Dataset`, `validate` and `export`
+    refuse it from its manifest, before any shard is read, and the CLI says so in one line (exit 2)."""
     from eagle_states.cli import main
     from eagle_states.dataset.step_codecs import CodecUnavailable
 
@@ -191,7 +193,7 @@ def test_an_nvcomp_dataset_on_a_machine_without_a_gpu_is_refused_at_once_in_one_
     copied = shutil.copytree(plain, tmp_path / "from-the-gpu-machine")
     assert validate_dataset(copied).valid
     manifest = json.loads((copied / "manifest.json").read_text())
-    manifest["codec"] = {"name": "nvcomp-ans", "algorithm": "ANS", "decodes_on": "cuda", "nvcomp": "6.0.0.12"}
+    manifest["codec"] = {"name": codec, "algorithm": "ANS", "decodes_on": "cuda", "nvcomp": "6.0.0.12"}
     (copied / "manifest.json").write_text(json.dumps(manifest))
     # validated where it was made (the record travels with the dataset)
     record = json.loads(validation_record_path(copied).read_text())
@@ -201,11 +203,12 @@ def test_an_nvcomp_dataset_on_a_machine_without_a_gpu_is_refused_at_once_in_one_
         shard_path(copied, shard["name"]).write_bytes(b"")
     with pytest.raises(CodecUnavailable, match="decodes on a CUDA device only"):
         Dataset(copied)
-    for argv in (["validate", str(copied)], ["export", str(copied), "--format", "speculators", "--out", str(tmp_path / "export")]):
+    for argv in (["validate", str(copied)],
+                 ["export", str(copied), "--format", "speculators", "--out", str(tmp_path / "export")]):
         capsys.readouterr()
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "nvcomp-ans, which decodes on a CUDA device only" in err, err
+        assert len(err.splitlines()) == 1 and f"{codec}, which decodes on a CUDA device only" in err, err
     assert not (tmp_path / "export").exists()
 
 

@@ -3,11 +3,18 @@ left behind by a failed write."""
 
 import hashlib
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from eagle_states.dataset.files import DirectFile, StreamingFile, atomic_file, atomic_write_bytes
+from eagle_states.dataset.files import (DirectFile, StreamingFile, atomic_file, atomic_write_bytes,
+                                        in_memory_filesystem)
+
+ON_A_DISK = pytest.mark.skipif(in_memory_filesystem(tempfile.gettempdir()),
+                               reason="the temp directory is in memory, where shards are not written with O_DIRECT")
 
 
 def test_free_disk_blocks_keeps_the_size_and_gives_the_blocks_back(tmp_path):
@@ -43,6 +50,7 @@ def test_a_failed_write_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@ON_A_DISK
 def test_direct_file_writes_every_byte_across_buffers_and_an_unaligned_tail(tmp_path, monkeypatch):
     monkeypatch.setattr(DirectFile, "CHUNK", 2 * DirectFile.ALIGN)  # switch buffers often
     pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536, 8192, 3)]
@@ -56,6 +64,7 @@ def test_direct_file_writes_every_byte_across_buffers_and_an_unaligned_tail(tmp_
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
 
 
+@ON_A_DISK
 @pytest.mark.parametrize("direct", [True, False])
 def test_a_head_is_written_over_its_room_once_the_rest_is_written(tmp_path, monkeypatch, direct):
     monkeypatch.setattr(DirectFile, "CHUNK", 2 * DirectFile.ALIGN)
@@ -71,6 +80,7 @@ def test_a_head_is_written_over_its_room_once_the_rest_is_written(tmp_path, monk
     assert (tmp_path / "f.bin").read_bytes() == b"h" * (2 * DirectFile.ALIGN) + body
 
 
+@ON_A_DISK
 def test_a_failed_direct_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         with atomic_file(tmp_path / "f.bin", direct=True) as f:
@@ -108,3 +118,17 @@ def test_a_shard_record_is_checked_by_the_digest_it_names(tmp_path):
     assert not digest_matches(path, {"blake3": digest})
     with pytest.raises(KeyError, match="no digest"):
         recorded_digest({"bytes": 10})
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not in_memory_filesystem("/dev/shm"), reason="no tmpfs here")
+def test_a_file_in_memory_is_written_buffered_even_where_o_direct_is_asked_for():
+    """tmpfs takes O_DIRECT on recent kernels, but its files are page-cache pages: DirectFile's copy would buy
+    nothing there."""
+    directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        with atomic_file(directory / "f.bin", direct=True) as f:
+            assert isinstance(f, StreamingFile)
+            f.write(b"x" * 5000)
+        assert (directory / "f.bin").read_bytes() == b"x" * 5000
+    finally:
+        shutil.rmtree(directory)

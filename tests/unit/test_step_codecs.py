@@ -10,8 +10,9 @@ import torch
 
 from eagle_states.dataset.codec import FP8_MAX_RELATIVE_ERROR, Codec, CorruptTensorError
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_header, sample_tensor_specs
-from eagle_states.dataset.step_codecs import (CodecUnavailable, decode_nvcomp, fp8_encode_step, frame_nvcomp,
-                                              NvcompPiece, nvcomp_buffers)
+from eagle_states.dataset.step_codecs import (FP8_AUX, CodecUnavailable, decode_fp8_ans, decode_nvcomp,
+                                              EncodedStep, Fp8AnsPiece, NvcompPiece, fp8_encode_step, frame_fp8,
+                                              frame_fp8_ans, frame_nvcomp, nvcomp_buffers)
 
 FP8 = Codec("fp8-e4m3")
 
@@ -120,3 +121,29 @@ def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device
     if not torch.cuda.is_available():
         with pytest.raises(CodecUnavailable, match="CUDA device only"):
             decode_nvcomp(np.frombuffer(stored, dtype=np.uint8), [5, 8], torch.bfloat16)
+
+
+def test_fp8_ans_frames_fp8s_scales_and_errors_before_the_codes_nvcomp_frame():
+    """fp8-e4m3-ans as the writer frames it from a step's host copy (its ANS buffers stand-ins here: the coding
+    needs a CUDA device): the scales and error sums are fp8-e4m3's, the codes' buffers follow in nvcomp-ans's
+    frame with a byte per decoded code."""
+    stacked = captured_like(layers=2, rows=10, width=8)
+    fp8 = fp8_encode_step(stacked)
+    spans, blobs = [(0, 4), (4, 10)], [torch.arange(n, dtype=torch.uint8) for n in (5, 3, 6, 2)]  # layer-major
+    n = 2 * 10 * 8
+    step = EncodedStep(torch.cat([*blobs, fp8.data[n:]]), 2, 10, 8, stacked.dtype, tuple(spans), (5, 3, 6, 2))
+    slot = step.host_rows(step.data, "fp8-e4m3-ans")[1]
+    pieces = [slot[start:stop] for start, stop in spans]
+    assert all(isinstance(p, Fp8AnsPiece) for p in pieces) and [p.blob.tolist() for p in pieces] == [
+        list(range(6)), list(range(2))]
+    stored, errors = frame_fp8_ans(pieces)
+    plain_stored, plain_errors = frame_fp8([fp8.host_rows(fp8.data, "fp8-e4m3")[1][0:10]])
+    assert errors == plain_errors and stored[:10 * 4].tobytes() == plain_stored[:10 * 4].tobytes()  # scales
+    buffers, decoded = nvcomp_buffers(stored[10 * 4:])
+    assert [b.tolist() for b in buffers] == [list(range(6)), list(range(2))] and decoded == [4 * 8, 6 * 8]
+    assert FP8_AUX == 3 and Codec("fp8-e4m3-ans").lossy and Codec("fp8-e4m3-ans").entry_extras == ("sq_err", "sq_sum")
+    if not torch.cuda.is_available():
+        with pytest.raises(CodecUnavailable, match="CUDA device only"):
+            decode_fp8_ans(stored, [10, 8], torch.float32)
+    with pytest.raises(ValueError, match="buffers of"):
+        decode_fp8_ans(stored[:-1], [10, 8], torch.float32)
