@@ -214,12 +214,12 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         capture_s = ended - t0
         row = {"capture_s": capture_s, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
                "setup_s": setup_s, "forward_stalled_s": after.pinned_wait_s - before.pinned_wait_s,
-               "drain_s": ended - after.last_hand_off, **steps("capture", before, after),
+               "drain_s": ended - after.last_forward_end, **steps("capture", before, after),
                # the drain taken apart: what the host buffers still held when the last step was handed over, and
                # when the last shard file was committed (the rest is the index, the manifest, the driver's polls)
                "drain_backlog_gb": after.backlog_bytes / 1e9,
-               "drain_writes_s": max(0.0, after.last_shard_written - after.last_hand_off),
-               "drain_assembled_s": max(0.0, after.last_sample_taken - after.last_hand_off),
+               "drain_writes_s": max(0.0, after.last_shard_written - after.last_forward_end),
+               "drain_assembled_s": max(0.0, after.last_sample_taken - after.last_forward_end),
                "encoded_bytes": after.encoded_bytes - before.encoded_bytes,
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,

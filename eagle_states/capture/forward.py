@@ -304,7 +304,8 @@ class ForwardCapture:
         self.codec = Codec()
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         self.steps = 0
-        self.last_hand_off = 0.0  # time.monotonic() of the last captured step
+        # the last captured step's end: its CUDA event (timed), or on the CPU build time.monotonic() (`last_forward_end`)
+        self.last_computed: torch.cuda.Event | float | None = None
         self.backlog_bytes = 0  # host-buffer bytes of earlier steps not yet written, then
         self.clock = _ForwardClock(self.is_cuda)
         self.encoding = StepEncoding(self.clock, self.is_cuda)
@@ -391,9 +392,10 @@ class ForwardCapture:
                                    "(sequence-parallel layers are not supported)")
         self.slots.clear()
         self.steps += 1
-        self.last_hand_off, self.backlog_bytes = time.monotonic(), self.pinned.held_bytes
+        self.backlog_bytes = self.pinned.held_bytes
         spans = [r.prompt_rows for r in requests if not r.generating and r.prompt_rows[1] > r.prompt_rows[0]]
         if not self.is_cuda:  # the states are host tensors already
+            self.last_computed = time.monotonic()
             if states and self.codec.on_device:
                 if self.codec.name != "fp8-e4m3":
                     raise CaptureError(f"extract.codec {self.codec.name} encodes on a CUDA device; this engine "
@@ -403,9 +405,22 @@ class ForwardCapture:
             self.deliver(Step(requests, positions, input_ids, states, block=None, copied=None))
             return
         stacked = torch.stack(states) if states else None  # one copy to the host instead of one per layer
-        computed = torch.cuda.Event()
+        computed = self.last_computed = torch.cuda.Event(enable_timing=True)
         computed.record()
         self.pending_copy = _DeviceStep(computed, requests, positions, input_ids, stacked, self.codec, spans)
+
+    def last_forward_end(self) -> float:
+        """time.monotonic() when the last captured step's forward pass ended (0.0 before any). On CUDA the host
+        hands a step over when it has launched it, up to a step or two before the device is done with it: the
+        end is read on the device's timeline, against an event recorded now."""
+        last = self.last_computed
+        if not isinstance(last, torch.cuda.Event):
+            return last or 0.0
+        now = torch.cuda.Event(enable_timing=True)
+        now.record()
+        now.synchronize()
+        last.synchronize()
+        return time.monotonic() - last.elapsed_time(now) / 1e3
 
     def start_copy(self):
         """Launch the device-to-host copy of the last captured step, on its own stream.

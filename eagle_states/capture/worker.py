@@ -89,9 +89,10 @@ class _Capture:
         return p.StatsReply(
             steps=forward.steps, rows=assembler.rows, decode_rows_dropped=assembler.decode_rows_dropped,
             generated_rows=assembler.generated_rows, pinned_wait_s=forward.pinned.wait_s,
-            last_hand_off=forward.last_hand_off, backlog_bytes=forward.backlog_bytes,
+            last_forward_end=forward.last_forward_end(), backlog_bytes=forward.backlog_bytes,
             last_sample_taken=self.shards.last_taken if self.shards else 0.0,
-            last_shard_written=self.shards.last_written if self.shards else 0.0, forwards=clock.forwards, forward_s=clock.forward_s,
+            last_shard_written=self.shards.last_written if self.shards else 0.0, forwards=clock.forwards,
+            forward_s=clock.forward_s,
             between_forwards_s=clock.between_s, encoded_bytes=self.shards.encoded_bytes if self.shards else 0,
             encode_s=self.shards.encode_s if self.shards else 0.0, **dict(zip(
                 ("device_encoded_bytes", "device_encode_s"), forward.encoding.seconds())))

@@ -10,9 +10,9 @@ import torch
 
 from eagle_states.dataset.codec import FP8_MAX_RELATIVE_ERROR, Codec, CorruptTensorError
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_header, sample_tensor_specs
-from eagle_states.dataset.step_codecs import (FP8_AUX, CodecUnavailable, decode_fp8_ans, decode_nvcomp,
-                                              EncodedStep, Fp8AnsPiece, NvcompPiece, fp8_encode_step, frame_fp8,
-                                              frame_fp8_ans, frame_nvcomp, nvcomp_buffers)
+from eagle_states.dataset.step_codecs import (CodecUnavailable, EncodedStep, Fp8AnsPiece, NvcompPiece,
+                                              decode_fp8_ans, decode_nvcomp, fp8_ans_encode_step, fp8_encode_step,
+                                              frame_fp8, frame_fp8_ans, frame_nvcomp, nvcomp_buffers)
 
 FP8 = Codec("fp8-e4m3")
 
@@ -123,27 +123,34 @@ def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device
             decode_nvcomp(np.frombuffer(stored, dtype=np.uint8), [5, 8], torch.bfloat16)
 
 
+def identity_ans(codes, spans):
+    """A stand-in for nvCOMP's ANS (which needs a CUDA device): each (layer, span)'s codes as they are."""
+    blobs = [codes[slot, start:stop].reshape(-1) for slot in range(codes.shape[0]) for start, stop in spans]
+    return EncodedStep(torch.cat(blobs), *codes.shape, codes.dtype, tuple(spans), tuple(b.numel() for b in blobs))
+
+
 def test_fp8_ans_frames_fp8s_scales_and_errors_before_the_codes_nvcomp_frame():
-    """fp8-e4m3-ans as the writer frames it from a step's host copy (its ANS buffers stand-ins here: the coding
-    needs a CUDA device): the scales and error sums are fp8-e4m3's, the codes' buffers follow in nvcomp-ans's
-    frame with a byte per decoded code."""
-    stacked = captured_like(layers=2, rows=10, width=8)
+    """fp8-e4m3-ans from a step to the stored bytes of a tensor, on the CPU with an identity for ANS: the scales,
+    codes and error sums are fp8-e4m3's, the codes' buffers follow in nvcomp-ans's frame with a byte per decoded
+    code; buffers of odd sizes (width 7) still leave the per-row float32 numbers readable."""
+    stacked = captured_like(layers=2, rows=9, width=7)
+    spans = [(0, 3), (3, 9)]
+    step = fp8_ans_encode_step(stacked, spans, identity_ans)
+    assert sum(step.sizes) % 4 != 0  # the float numbers after them needed padding
     fp8 = fp8_encode_step(stacked)
-    spans, blobs = [(0, 4), (4, 10)], [torch.arange(n, dtype=torch.uint8) for n in (5, 3, 6, 2)]  # layer-major
-    n = 2 * 10 * 8
-    step = EncodedStep(torch.cat([*blobs, fp8.data[n:]]), 2, 10, 8, stacked.dtype, tuple(spans), (5, 3, 6, 2))
-    slot = step.host_rows(step.data, "fp8-e4m3-ans")[1]
-    pieces = [slot[start:stop] for start, stop in spans]
-    assert all(isinstance(p, Fp8AnsPiece) for p in pieces) and [p.blob.tolist() for p in pieces] == [
-        list(range(6)), list(range(2))]
-    stored, errors = frame_fp8_ans(pieces)
-    plain_stored, plain_errors = frame_fp8([fp8.host_rows(fp8.data, "fp8-e4m3")[1][0:10]])
-    assert errors == plain_errors and stored[:10 * 4].tobytes() == plain_stored[:10 * 4].tobytes()  # scales
-    buffers, decoded = nvcomp_buffers(stored[10 * 4:])
-    assert [b.tolist() for b in buffers] == [list(range(6)), list(range(2))] and decoded == [4 * 8, 6 * 8]
-    assert FP8_AUX == 3 and Codec("fp8-e4m3-ans").lossy and Codec("fp8-e4m3-ans").entry_extras == ("sq_err", "sq_sum")
+    for slot, (ours, plain) in enumerate(zip(step.host_rows(step.data, "fp8-e4m3-ans"),
+                                             fp8.host_rows(fp8.data, "fp8-e4m3"))):
+        pieces = [ours[start:stop] for start, stop in spans]
+        assert all(isinstance(p, Fp8AnsPiece) for p in pieces)
+        stored, errors = frame_fp8_ans(pieces)
+        plain_stored, plain_errors = frame_fp8([plain[start:stop] for start, stop in spans])
+        assert errors == plain_errors and stored[:9 * 4].tobytes() == plain_stored[:9 * 4].tobytes()  # scales
+        buffers, decoded = nvcomp_buffers(stored[9 * 4:])
+        assert np.concatenate(buffers).tobytes() == plain_stored[9 * 4:].tobytes()  # the codes, span by span
+        assert decoded == [3 * 7, 6 * 7]
+    assert Codec("fp8-e4m3-ans").lossy and Codec("fp8-e4m3-ans").entry_extras == ("sq_err", "sq_sum")
     if not torch.cuda.is_available():
         with pytest.raises(CodecUnavailable, match="CUDA device only"):
-            decode_fp8_ans(stored, [10, 8], torch.float32)
+            decode_fp8_ans(stored, [9, 7], torch.float32)
     with pytest.raises(ValueError, match="buffers of"):
-        decode_fp8_ans(stored[:-1], [10, 8], torch.float32)
+        decode_fp8_ans(stored[:-1], [9, 7], torch.float32)
