@@ -38,7 +38,7 @@ _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
 
 class StreamingFile:
     """An unbuffered file that hands each 64 MiB it has written to the disk at once and waits for the 64 MiB
-    before it; in memory (`in_memory`: tmpfs, ramfs), large writes are split into pieces written in parallel.
+    before it.
 
     Without this the kernel starts writing only past its dirty-memory threshold (10% of RAM: 13 GB on a 128 GB
     host), so the disk idles while a shard is produced and the closing fsync then waits for all of it: a shard
@@ -47,15 +47,9 @@ class StreamingFile:
     """
 
     WRITEBACK_BYTES = 64 << 20
-    # In memory a write is the kernel's copy into the file's pages, on the calling thread's core: one stream into
-    # /dev/shm took 3.3-3.5 GB/s on the H200's host, four 9.6-12.9 (bench/disk_check.py). A shard's last samples
-    # are written by one writer thread after the last forward pass, so its pieces go in parallel.
-    PIECE_BYTES = 8 << 20
-    _pieces: ThreadPoolExecutor | None = None  # shared by the files in memory, made on first use
 
-    def __init__(self, raw, in_memory: bool = False):
+    def __init__(self, raw):
         self.raw = raw
-        self.in_memory = in_memory
         self.written = 0
         self.handed = 0  # bytes handed to the disk
         self.previous: tuple[int, int] | None = None  # the range handed before the last one
@@ -63,9 +57,6 @@ class StreamingFile:
     def write(self, data) -> None:
         """Write all of `data` (bytes, memoryview or a contiguous numpy array)."""
         data = memoryview(data).cast("B")
-        if self.in_memory:
-            self._write_pieces(data)
-            return
         while data:
             n = self.raw.write(data)
             data = data[n:]
@@ -73,23 +64,10 @@ class StreamingFile:
             if self.written - self.handed >= self.WRITEBACK_BYTES:
                 self._hand_to_disk()
 
-    def _write_pieces(self, data: memoryview) -> None:
-        """`data` at the file's end in pieces written in parallel (positioned writes: the file offset stays)."""
-        if len(data) <= self.PIECE_BYTES:
-            _pwrite_all(self.raw.fileno(), data, self.written)
-        else:
-            if StreamingFile._pieces is None:
-                StreamingFile._pieces = ThreadPoolExecutor(max_workers=8, thread_name_prefix="memory-write")
-            fd, step = self.raw.fileno(), self.PIECE_BYTES
-            for done in [self._pieces.submit(_pwrite_all, fd, data[at:at + step], self.written + at)
-                         for at in range(0, len(data), step)]:
-                done.result()
-        self.written += len(data)
-
     def write_head(self, data) -> None:
         """Overwrite the file's first `len(data)` bytes (a header whose room was written first), once everything
         else is written."""
-        _pwrite_all(self.raw.fileno(), memoryview(data).cast("B"), 0)
+        os.pwrite(self.raw.fileno(), data, 0)
 
     def _hand_to_disk(self):
         if _SYNC_FILE_RANGE is not None:  # ctypes releases the GIL during the call
@@ -101,15 +79,10 @@ class StreamingFile:
         self.handed = self.written
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
 # Filesystems whose files are page-cache pages themselves (Linux statfs f_type): O_DIRECT there keeps nothing out
-# of the cache and only adds DirectFile's copy into its buffers (into /dev/shm on a 2-core machine: 2.7-2.9 GB/s
-# through DirectFile, 3.3-3.5 buffered).
+# of the cache and only adds DirectFile's copy into its buffers. Not a speed-up as measured: one stream into
+# /dev/shm on two H200 hosts, 3.3-3.4 GB/s buffered against 2.9-3.0 through DirectFile on one, 2.3 against 2.6
+# on the other (bench/disk_check.py); a capture into RAM the same either way.
 IN_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
 
@@ -138,7 +111,6 @@ class DirectFile:
 
     ALIGN = 4096  # the largest logical block size O_DIRECT asks of offsets, lengths and addresses
     CHUNK = 32 << 20
-    in_memory = False  # never: a file in memory is written through StreamingFile
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -220,8 +192,7 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
     os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600; a trainer's account must read the dataset
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
-            in_memory = in_memory_filesystem(tmp)
-            out = (DirectFile.open(tmp) if direct and not in_memory else None) or StreamingFile(raw, in_memory)
+            out = (DirectFile.open(tmp) if direct and not in_memory_filesystem(tmp) else None) or StreamingFile(raw)
             try:
                 yield out
                 if isinstance(out, DirectFile):

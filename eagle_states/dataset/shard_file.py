@@ -114,9 +114,7 @@ class ShardFileWriter:
         self._stack = contextlib.ExitStack()
         self._file = self._stack.enter_context(atomic_file(self.path, direct=True))
         self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
-        # hashed on every core where the data is held (a codec's tensors, kept) or goes (a file in memory, whose
-        # writes are as fast as the hash): one thread's BLAKE3 (5.1 GB/s) would bound the shard's writer there
-        self._writes, self._hasher, self._next = [], shard_hasher(self.codec.enabled or self._file.in_memory), 0
+        self._writes, self._hasher, self._next = [], shard_hasher(every_core=self.codec.enabled), 0
         self._put(bytes(self.room) if self.codec.enabled else self._header({}))
         return self
 

@@ -121,26 +121,13 @@ def test_a_shard_record_is_checked_by_the_digest_it_names(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm") or not in_memory_filesystem("/dev/shm"), reason="no tmpfs here")
-def test_a_file_in_memory_is_written_in_pieces_in_parallel(tmp_path, monkeypatch):
-    monkeypatch.setattr(StreamingFile, "PIECE_BYTES", 4096)
-    pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536 + 3, 3)]
-    with open(tmp_path / "f.bin", "wb", buffering=0) as raw:
-        f = StreamingFile(raw, in_memory=True)
-        f.write(bytes(8192))  # a header's room
-        for piece in pieces:
-            f.write(piece)
-        f.write_head(b"h" * 8192)
-        assert f.written == 8192 + sum(map(len, pieces))
-    assert (tmp_path / "f.bin").read_bytes() == b"h" * 8192 + b"".join(pieces)
-
-
 def test_a_file_in_memory_is_written_buffered_even_where_o_direct_is_asked_for():
     """tmpfs takes O_DIRECT on recent kernels, but its files are page-cache pages: DirectFile's copy would buy
     nothing there."""
     directory = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         with atomic_file(directory / "f.bin", direct=True) as f:
-            assert isinstance(f, StreamingFile) and f.in_memory
+            assert isinstance(f, StreamingFile)
             f.write(b"x" * 5000)
         assert (directory / "f.bin").read_bytes() == b"x" * 5000
     finally:
