@@ -304,7 +304,7 @@ class ForwardCapture:
         self.codec = Codec()
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
         self.steps = 0
-        # the last captured step's end: its CUDA event (timed), or on the CPU build time.monotonic() (`last_forward_end`)
+        # the last captured step's end (`last_forward_end`): its CUDA event (timed), or time.monotonic() on the CPU
         self.last_computed: torch.cuda.Event | float | None = None
         self.backlog_bytes = 0  # host-buffer bytes of earlier steps not yet written, then
         self.clock = _ForwardClock(self.is_cuda)

@@ -3,13 +3,12 @@ safetensors file, and how it is read back.
 
 Blosc2 (`blosc2-zstd`, `blosc2-lz4`) compresses on the host, in the shard writers; the step codecs (`fp8-e4m3`,
 lossy and opt-in; `nvcomp-ans`, lossless, CUDA; `fp8-e4m3-ans`, both) encode on the device before the copy
-(`step_codecs.py`). All are
-stored the same way: a Blosc2 tensor is a `U8` safetensors entry holding one Blosc2 frame (`SChunk.to_cframe()`: chunks of
-`CHUNK_BYTES`, each split into its byte planes by Blosc2's shuffle filter, then entropy-coded by zstd or lz4).
-Its logical dtype and shape, and a CRC-32 of the stored bytes, are in the file's `__metadata__` (`ENCODED_KEY`), so
-a validator sees every tensor's logical layout from the header alone, and a reader catches a damaged block (Blosc2
-itself decodes most flipped bytes into wrong values without complaint). Only the hidden states are compressed:
-token ids and loss masks are small and stay plain tensors.
+(`step_codecs.py`). All are stored the same way: a Blosc2 tensor is a `U8` safetensors entry holding one Blosc2
+frame (`SChunk.to_cframe()`: chunks of `CHUNK_BYTES`, each split into its byte planes by Blosc2's shuffle filter,
+then entropy-coded by zstd or lz4). Its logical dtype and shape, and a CRC-32 of the stored bytes, are in the file's
+`__metadata__` (`ENCODED_KEY`), so a validator sees every tensor's logical layout from the header alone, and a
+reader catches a damaged block (Blosc2 itself decodes most flipped bytes into wrong values without complaint). Only
+the hidden states are compressed: token ids and loss masks are small and stay plain tensors.
 """
 
 from __future__ import annotations

@@ -99,9 +99,9 @@ def in_memory_filesystem(path: Path) -> bool:
 
 
 class DirectFile:
-    """A file written past the page cache (O_DIRECT), for shards on a disk: data is copied into two page-aligned buffers,
-    one filling while a helper thread writes the other to the disk; `finish` writes the last, partial block
-    padded and truncates the file to its length.
+    """A file written past the page cache (O_DIRECT), for shards on a disk: data is copied into two page-aligned
+    buffers, one filling while a helper thread writes the other to the disk; `finish` writes the last, partial
+    block padded and truncates the file to its length.
 
     One stream writes faster this way (bench/disk_check.py: 1.83-2.13 against 0.92-1.72 GB/s buffered and
     streamed on the H200 machine's disk, 2.6-3.0 against 0.4 GB/s on a 2-core CI machine), and shards, written
@@ -180,8 +180,8 @@ class DirectFile:
 @contextlib.contextmanager
 def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Iterator[StreamingFile | DirectFile]:
     """A file at a temp name in the same directory, written through `StreamingFile` (or `DirectFile` with
-    `direct`, where the filesystem takes O_DIRECT and is not in memory); on success it is fsynced and renamed to `path`, on failure
-    removed: a crash never leaves a partial file under the final name. `durable=False` skips the fsync, for
+    `direct`, where the filesystem takes O_DIRECT and is not in memory); on success it is fsynced and renamed to
+    `path`, on failure removed: a crash never leaves a partial file under the final name. `durable=False` skips the fsync, for
     small files that a caller makes durable later with `fsync_path` (an fsync waits for the filesystem journal,
     which can wait for gigabytes of other files' writes in flight). Once a stop on a signal has begun
 (`stopping`), no file is renamed into place any more."""

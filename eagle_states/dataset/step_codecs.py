@@ -102,16 +102,9 @@ class NvcompPiece:
 
 
 @dataclass(frozen=True)
-class Fp8AnsPiece:
-    blob: torch.Tensor  # uint8: one nvCOMP native buffer of e4m3 codes
+class Fp8AnsPiece(NvcompPiece):
+    """`blob`: the nvCOMP buffer of the span's e4m3 codes."""
     aux: torch.Tensor  # float32 [rows, FP8_AUX]
-    rows: int
-    width: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.width
 
     @property
     def decoded_bytes(self) -> int:
@@ -132,10 +125,10 @@ class NvcompRows:
     """One layer slot of an nvCOMP step on the host: the spans it was encoded in, each one piece. Only those exact
     spans can be taken (the capture encodes the spans it will assemble)."""
 
-    def __init__(self, pieces: dict[tuple[int, int], NvcompPiece | Fp8AnsPiece]):
+    def __init__(self, pieces: dict[tuple[int, int], NvcompPiece]):
         self.pieces = pieces
 
-    def __getitem__(self, rows: slice) -> NvcompPiece | Fp8AnsPiece:
+    def __getitem__(self, rows: slice) -> NvcompPiece:
         try:
             return self.pieces[(rows.start, rows.stop)]
         except KeyError:
@@ -170,8 +163,8 @@ class EncodedStep:
                 size = next(sizes)
                 blob = host[offset:offset + size]
                 pieces[(start, stop)] = (NvcompPiece(blob, stop - start, self.width, self.dtype) if auxes is None else
-                                         Fp8AnsPiece(blob, auxes[slot][start:stop], stop - start, self.width,
-                                                     self.dtype))
+                                         Fp8AnsPiece(blob, stop - start, self.width, self.dtype,
+                                                     auxes[slot][start:stop]))
                 offset += size
             out.append(NvcompRows(pieces))
         return out
@@ -304,7 +297,7 @@ def _fp8_scales(pieces: list[Fp8Piece] | list[Fp8AnsPiece]) -> tuple[torch.Tenso
     return scales, dict(zip(LOSSY_ENTRY_EXTRAS, aux[:, 1:].double().sum(dim=0).tolist()))
 
 
-def _nvcomp_frame(pieces: list[NvcompPiece] | list[Fp8AnsPiece]) -> list[torch.Tensor]:
+def _nvcomp_frame(pieces: list[NvcompPiece]) -> list[torch.Tensor]:
     """A count, each buffer's stored and decoded size, then the buffers."""
     sizes = [n for p in pieces for n in (p.blob.numel(), p.decoded_bytes)]
     head = torch.frombuffer(bytearray(struct.pack(f"<I{len(sizes)}Q", len(pieces), *sizes)), dtype=torch.uint8)
