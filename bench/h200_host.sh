@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   bash bench/h200_host.sh check [CODECS]|codecs|disk|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
+#   bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -25,6 +25,9 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
     done ;;
   codecs)  # the step codecs alone: a step encoded, written, read back (bench/gpu_codec_check.py)
     python3 bench/gpu_codec_check.py 2>&1 | tee "$OUT/gpu_codec_check.txt" | tail -5 ;;
+  writer)  # the shard writer against the disk alone, nothing of the capture running (bench/writer_check.py)
+    python3 bench/writer_check.py /tmp/writer-check --samples 16 2>&1 | tee "$OUT/writer_check.txt"
+    rm -rf /tmp/writer-check ;;
   disk)  # /dev/shm written buffered, as shards are now, and through O_DIRECT, as they were
     python3 bench/disk_check.py /dev/shm/disk-check 4 2>&1 | tee "$OUT/disk_check_shm.txt"; rm -rf /dev/shm/disk-check ;;
   dsv3-disk)
