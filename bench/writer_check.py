@@ -8,15 +8,13 @@ the disk's 1.92 GB/s on the Llama-8B shape).
 """
 
 import argparse
-import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from disk_check import measure  # noqa: E402  (this script's directory is on the path)
 from eagle_states.bench import write_like_a_shard  # noqa: E402
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs  # noqa: E402
 
@@ -24,6 +22,7 @@ TOKENS, STATES = 2048, 4
 
 
 def write_shard(path: Path, samples: int, state: torch.Tensor) -> None:
+    """A shard of `samples` samples of 2,048 tokens, each state `state`, as the capture's writer writes one."""
     specs = {}
     for s in range(samples):
         specs.update(sample_tensor_specs(f"s{s:03d}", TOKENS, STATES, state.shape[1], state.dtype))
@@ -31,16 +30,6 @@ def write_shard(path: Path, samples: int, state: torch.Tensor) -> None:
         for name in out.order:
             dtype, shape = specs[name]
             out.write(name, [state] if dtype == state.dtype else [torch.zeros(shape, dtype=dtype)])
-
-
-def gb_per_s(threads: int, fn, nbytes: int) -> float:
-    workers = [threading.Thread(target=fn, args=(i,)) for i in range(threads)]
-    started = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return threads * nbytes / (time.perf_counter() - started) / 1e9
 
 
 def main() -> None:
@@ -53,15 +42,13 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     state = torch.randn(TOKENS, args.hidden).to(torch.bfloat16)
     nbytes = args.samples * TOKENS * args.hidden * state.element_size() * STATES
-    block = os.urandom(64 << 20)
     for _ in range(args.rounds):
         for threads in (1, 3):
-            writer = gb_per_s(threads, lambda i: write_shard(args.dir / f"shard-{i}", args.samples, state), nbytes)
-            alone = gb_per_s(threads, lambda i: write_like_a_shard(args.dir / f"probe-{i}", nbytes, block), nbytes)
+            writer = measure(lambda path, total, block: write_shard(path, args.samples, state), args.dir,
+                             threads * nbytes, threads)
+            alone = measure(write_like_a_shard, args.dir, threads * nbytes, threads)
             print(f"WRITER {threads} shard(s) at once: ShardFileWriter {writer:.2f} GB/s, the disk alone {alone:.2f} "
                   f"GB/s ({writer / alone:.2f} x)", flush=True)
-            for f in args.dir.iterdir():
-                f.unlink()
 
 
 if __name__ == "__main__":

@@ -22,17 +22,19 @@ import numpy as np
 from eagle_states import stopping
 
 
-def _libc_sync_file_range():
-    """Linux's sync_file_range, or None where there is none (the final fsync alone then does the writing)."""
+def _libc(name: str, argtypes: list):
+    """A Linux libc function, or None where there is none."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     return fn
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range()
+# None where there is none: the final fsync alone then does the writing
+_SYNC_FILE_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+_STATFS = _libc("statfs", [ctypes.c_char_p, ctypes.c_char_p])
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
 
 
@@ -88,12 +90,8 @@ IN_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
 def in_memory_filesystem(path: Path) -> bool:
     """Whether `path` (an existing file or directory) is on tmpfs or ramfs; False where statfs cannot say."""
-    try:
-        statfs = ctypes.CDLL(None, use_errno=True).statfs
-    except (OSError, AttributeError):
-        return False
     buf = ctypes.create_string_buffer(256)  # struct statfs; its first field is f_type, a C long on 64-bit Linux
-    if statfs(os.fsencode(path), buf) != 0:
+    if _STATFS is None or _STATFS(os.fsencode(path), buf) != 0:
         return False
     return ctypes.c_long.from_buffer(buf).value in IN_MEMORY_FILESYSTEMS
 

@@ -175,9 +175,9 @@ class EncodedStep:
         return host[at:at + n].view(torch.float32).view(self.layers, self.rows, FP8_AUX)
 
 
-def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
-    """[L, R, H] states -> e4m3 codes and per-row (scale, squared error, squared norm), packed in one tensor.
-    Computed in float32 a layer at a time (the temporaries are one layer's)."""
+def _fp8_rows(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, R, H] states -> e4m3 codes (uint8 [L, R, H]) and per-row (scale, squared error, squared norm) (float32
+    [L, R, FP8_AUX]). Computed in float32 a layer at a time (the temporaries are one layer's)."""
     layers, rows, width = stacked.shape
     codes = torch.empty((layers, rows, width), dtype=torch.uint8, device=stacked.device)
     aux = torch.empty((layers, rows, FP8_AUX), dtype=torch.float32, device=stacked.device)
@@ -190,22 +190,28 @@ def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
         aux[slot, :, 0] = scale.squeeze(-1)
         aux[slot, :, 1] = (x - q.float() * scale).square_().sum(dim=-1)
         aux[slot, :, 2] = x.square().sum(dim=-1)  # not in place: `x` is the step's own tensor when float32
-    pad = codes.new_zeros(_float_aligned(codes.numel()) - codes.numel())
-    return EncodedStep(torch.cat([codes.reshape(-1), pad, aux.reshape(-1).view(torch.uint8)]), layers, rows, width,
-                       stacked.dtype)
+    return codes, aux
+
+
+def _packed(data: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """A step's bytes (codes or nvCOMP buffers), then its per-row numbers 4-byte aligned, in one tensor."""
+    pad = data.new_zeros(_float_aligned(data.numel()) - data.numel())
+    return torch.cat([data.reshape(-1), pad, aux.reshape(-1).view(torch.uint8)])
+
+
+def fp8_encode_step(stacked: torch.Tensor) -> EncodedStep:
+    """[L, R, H] states -> e4m3 codes and per-row (scale, squared error, squared norm), packed in one tensor."""
+    codes, aux = _fp8_rows(stacked)
+    return EncodedStep(_packed(codes, aux), *stacked.shape, stacked.dtype)
 
 
 def fp8_ans_encode_step(stacked: torch.Tensor, spans: list[tuple[int, int]], ans: NvcompStepEncoder
                         ) -> EncodedStep:
     """fp8-e4m3's codes and per-row numbers, the codes of each (layer, span) coded by `ans` as bytes; stored:
     the buffers, then the per-row numbers (as fp8-e4m3 stores them after its codes)."""
-    fp8 = fp8_encode_step(stacked)
-    layers, rows, width = stacked.shape
-    n = layers * rows * width
-    coded = ans(fp8.data[:n].view(layers, rows, width), spans)
-    pad = coded.data.new_zeros(_float_aligned(coded.data.numel()) - coded.data.numel())
-    return EncodedStep(torch.cat([coded.data, pad, fp8.data[_float_aligned(n):]]), layers, rows, width,
-                       stacked.dtype, coded.spans, coded.sizes)
+    codes, aux = _fp8_rows(stacked)
+    coded = ans(codes, spans)
+    return EncodedStep(_packed(coded.data, aux), *stacked.shape, stacked.dtype, coded.spans, coded.sizes)
 
 
 def _float_aligned(nbytes: int) -> int:
