@@ -2,16 +2,13 @@
 `ShardFileWriter` (header, key order, the stream hashed beside the writes, O_DIRECT) by 1 and 3 threads at once,
 against the same bytes written through `atomic_file` as the bench's disk probe writes them. Nothing of the capture
 runs: what is left between the two is the writer's own cost (#29: on the H200 the capture's writers took 1.26 of
-the disk's 1.92 GB/s on the Llama-8B shape). Then the writer again beside a thread that runs Python without pause
-(as an engine's loop may), at the interpreter's default GIL switch interval and at the one the capture sets
-(`shard_writer.SWITCH_INTERVAL_S`).
+the disk's 1.92 GB/s on the Llama-8B shape).
 
     python3 bench/writer_check.py DIR [--hidden 4096] [--samples 8] [--rounds 2]
 """
 
 import argparse
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -19,7 +16,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from disk_check import measure  # noqa: E402  (this script's directory is on the path)
 from eagle_states.bench import write_like_a_shard  # noqa: E402
-from eagle_states.capture.shard_writer import SWITCH_INTERVAL_S  # noqa: E402
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs  # noqa: E402
 
 TOKENS, STATES = 2048, 4
@@ -36,25 +32,6 @@ def write_shard(path: Path, samples: int, state: torch.Tensor) -> None:
             out.write(name, [state] if dtype == state.dtype else [torch.zeros(shape, dtype=dtype)])
 
 
-def beside_a_busy_thread(measure_it, switch_interval: float) -> float:
-    """`measure_it()` while another thread runs Python bytecode nonstop, at this GIL switch interval."""
-    done, before = threading.Event(), sys.getswitchinterval()
-
-    def busy():
-        while not done.is_set():
-            sum(range(100))
-
-    sys.setswitchinterval(switch_interval)
-    thread = threading.Thread(target=busy)
-    thread.start()
-    try:
-        return measure_it()
-    finally:
-        done.set()
-        thread.join()
-        sys.setswitchinterval(before)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path)
@@ -65,20 +42,13 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     state = torch.randn(TOKENS, args.hidden).to(torch.bfloat16)
     nbytes = args.samples * TOKENS * args.hidden * state.element_size() * STATES
-    default_interval = sys.getswitchinterval()
     for _ in range(args.rounds):
         for threads in (1, 3):
-            def writer():
-                return measure(lambda path, total, block: write_shard(path, args.samples, state), args.dir,
-                               threads * nbytes, threads)
+            writer = measure(lambda path, total, block: write_shard(path, args.samples, state), args.dir,
+                             threads * nbytes, threads)
             alone = measure(write_like_a_shard, args.dir, threads * nbytes, threads)
-            plain = writer()
-            busy_default = beside_a_busy_thread(writer, default_interval)
-            busy_capture = beside_a_busy_thread(writer, SWITCH_INTERVAL_S)
-            print(f"WRITER {threads} shard(s) at once: ShardFileWriter {plain:.2f} GB/s, the disk alone {alone:.2f} "
-                  f"GB/s ({plain / alone:.2f} x); beside a busy Python thread {busy_default:.2f} GB/s at a GIL switch "
-                  f"interval of {default_interval * 1e3:g} ms, {busy_capture:.2f} at {SWITCH_INTERVAL_S * 1e3:g} ms",
-                  flush=True)
+            print(f"WRITER {threads} shard(s) at once: ShardFileWriter {writer:.2f} GB/s, the disk alone {alone:.2f} "
+                  f"GB/s ({writer / alone:.2f} x)", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ sample in the file's order as the assembler completes them. Reads nothing of vLL
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,22 +20,12 @@ if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
 
 
-# The longest a thread waits for the GIL while another runs Python (the interpreter's default is 5 ms). A shard's
-# bytes pass three threads (writer, its I/O helper, DirectFile's), each taking the GIL back after every copy, hash
-# or write, which release it: with a thread busy in Python beside them, as the engine's is, each wait lasted the
-# whole default interval. On the 2-core CPU machine (bench/writer_check.py) one shard writer fell from 1.65 to
-# 0.52 GB/s beside a busy thread at 5 ms, and wrote 1.44 GB/s at 0.5 ms.
-SWITCH_INTERVAL_S = 0.0005
-
-
 class ShardWriter:
     """Streams each sample from host memory to disk as soon as it is complete, and hands its pinned blocks back.
     Host memory is bounded by the pinned pool (CUDA) and by the number of shards held for writing
-    (`write_threads + 1`). Shortens the process's GIL switch interval to `SWITCH_INTERVAL_S` (the engine's
-    process, whose writer threads these are)."""
+    (`write_threads + 1`)."""
 
     def __init__(self, num_states: int, write_threads: int, pinned: PinnedPool):
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.num_states = num_states  # captured layers: a hidden state per layer and sample
         self.pinned = pinned
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
