@@ -198,11 +198,13 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         t0 = time.monotonic()
         extraction_round = extraction_of(source, target, codec)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
-        freed = []
+        freed, recorded = [], [0.0]  # recorded: when the driver last recorded a shard (its receipt written)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-free") as freeing:
-            def free(shard, cached):
-                freed.append(freeing.submit(free_disk_blocks, shard_path(target, shard.name)))
-            manifest = extraction_round.run(holder, free if free_written else None)
+            def on_shard(shard, cached):
+                recorded[0] = time.monotonic()
+                if free_written:
+                    freed.append(freeing.submit(free_disk_blocks, shard_path(target, shard.name)))
+            manifest = extraction_round.run(holder, on_shard)
             ended = time.monotonic()
         for done in freed:
             done.result()
@@ -220,6 +222,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                "drain_backlog_gb": after.backlog_bytes / 1e9,
                "drain_writes_s": max(0.0, after.last_shard_written - after.last_forward_end),
                "drain_assembled_s": max(0.0, after.last_sample_taken - after.last_forward_end),
+               "drain_recorded_s": max(0.0, recorded[0] - after.last_forward_end),  # then index and manifest
                "encoded_bytes": after.encoded_bytes - before.encoded_bytes,
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
@@ -262,7 +265,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                       f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
                       f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in host buffers, the last sample at its "
                       f"writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
-                      f"{c['drain_writes_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, "
+                      f"{c['drain_writes_s']:.2f} s, recorded after {c['drain_recorded_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, "
                       f"in them {row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
                       f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
                       "(plain / capture)"
@@ -283,7 +286,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         rows = [r["captures"][codec] for r in rounds_out]
         captures[codec] = {f"{k}_median": median(c[k] for c in rows) for k in (
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
-            "drain_s", "drain_assembled_s", "drain_writes_s", "drain_backlog_gb", "capture_forward_s",
+            "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb", "capture_forward_s",
             "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer", "encode_gb_s_device")}
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
     rss.stop()
@@ -329,7 +332,8 @@ def format_result(result: dict) -> str:
             f"  capture's extra time (median): input read and planned {c['setup_s_median']:.2f} s, forward stalled "
             f"on host buffers {c['forward_stalled_s_median']:.2f} s, after the last forward pass (writes draining, "
             f"index, manifest) {c['drain_s_median']:.2f} s: the last sample at its writer after "
-            f"{c['drain_assembled_s_median']:.2f} s, the last shard written after {c['drain_writes_s_median']:.2f} s, "
+            f"{c['drain_assembled_s_median']:.2f} s, the last shard written after {c['drain_writes_s_median']:.2f} s "
+            f"and recorded by the driver after {c['drain_recorded_s_median']:.2f} s (then the index and the manifest), "
             f"with {c['drain_backlog_gb_median']:.2f} GB still in host buffers when the last step was handed over",
             f"  device time in forward passes {c['capture_forward_s_median']:.2f} s, idle between them "
             f"{c['capture_between_forwards_s_median']:.2f} s",
