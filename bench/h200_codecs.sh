@@ -29,7 +29,7 @@ case "$1" in
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     python3 -m eagle_states bench --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds 2 \
         --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768 --write-threads 8 \
-        --gpu-memory-utilization 0.85 --disk-probe-gb 8 --free-written --codecs none,nvcomp-ans \
+        --gpu-memory-utilization 0.85 --disk-probe-gb 8 --codecs none,nvcomp-ans \
         --json "$OUT/llama8b-disk.json" 2>"$OUT/llama8b-disk.err" | tee "$OUT/llama8b-disk.txt"
     tail -3 "$OUT/llama8b-disk.err" ;;
   after)  # nvcomp-ans encoded from the assembler thread: correctness, then both shapes, lossless only
@@ -41,6 +41,6 @@ case "$1" in
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     python3 -m eagle_states bench --model /dev/shm/m8b --out /tmp/bench --prompts 256 --prompt-len 2048 --rounds 1 \
         --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768 --write-threads 8 \
-        --gpu-memory-utilization 0.85 --disk-probe-gb 4 --free-written --codecs none,nvcomp-ans \
+        --gpu-memory-utilization 0.85 --disk-probe-gb 4 --codecs none,nvcomp-ans \
         --json "$OUT/llama8b-after.json" 2>"$OUT/llama8b-after.err" | tee "$OUT/llama8b-after.txt" | grep -v "^  capture" ;;
 esac

@@ -49,12 +49,12 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
 json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
     fi
     for spec in ${2:-96:4096 24:16384 6:65536}; do
-      bench "rss-${spec#*:}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 --free-written \
+      bench "rss-${spec#*:}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 \
           --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs none
     done ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds 2 \
         --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768 --write-threads 8 \
-        --gpu-memory-utilization 0.85 --disk-probe-gb 8 --free-written --codecs ${2:-none,nvcomp-ans} ;;
+        --gpu-memory-utilization 0.85 --disk-probe-gb 8 --codecs ${2:-none,nvcomp-ans} ;;
 esac

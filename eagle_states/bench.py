@@ -49,7 +49,8 @@ _FALLOC_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01
 def free_disk_blocks(path: Path) -> None:
     """Give a written file's blocks back to the filesystem without changing its size (a hole punched over all of
     it), so that a round can write more than the disk holds. Only the bench does this, after the shard was
-    fsynced and its receipt written, in a thread of its own so that the engine's loop never waits for it."""
+    fsynced and its receipt written, in a thread of its own so that the engine's loop never waits for it. It slows
+    the disk for the writes beside it (on one H200: the capture's writers at 1.18 GB/s with it, 1.30 without)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
