@@ -266,7 +266,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                       f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
                       f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in host buffers, the last sample at its "
                       f"writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
-                      f"{c['drain_writes_s']:.2f} s, recorded after {c['drain_recorded_s']:.2f} s) | steps {row['plain_forwards']} / {c['capture_forwards']}, "
+                      f"{c['drain_writes_s']:.2f} s, recorded after {c['drain_recorded_s']:.2f} s) | steps "
+                      f"{row['plain_forwards']} / {c['capture_forwards']}, "
                       f"in them {row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
                       f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
                       "(plain / capture)"
@@ -287,8 +288,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         rows = [r["captures"][codec] for r in rounds_out]
         captures[codec] = {f"{k}_median": median(c[k] for c in rows) for k in (
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
-            "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb", "capture_forward_s",
-            "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer", "encode_gb_s_device")}
+            "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb",
+            "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer",
+            "encode_gb_s_device")}
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
     rss.stop()
     return {
