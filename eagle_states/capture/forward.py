@@ -266,7 +266,7 @@ class StepEncoding:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _DeviceStep:
-    """A captured step on the device (CUDA), until `ForwardCapture.start_copy` moves it to the host."""
+    """A captured step on the device (CUDA), until `HostCopies.start` moves it to the host."""
     computed: torch.cuda.Event  # its states are computed once the compute stream passes this
     requests: list[StepRequest]
     positions: torch.Tensor
@@ -278,8 +278,8 @@ class _DeviceStep:
 
 class ForwardCapture:
     """Hooks on the decoder layers and `_model_forward`: per captured step the forward thread launches the hooks'
-    additions and hands the step (rows, token ids, positions, states) to `deliver`; on CUDA through one
-    asynchronous device-to-host copy into a pinned block (`_to_host`), launched by `start_copy`."""
+    additions and hands the step (rows, token ids, positions, states) to `deliver`; on CUDA through `HostCopies`
+    (one asynchronous device-to-host copy into a pinned block), launched by `start_copy`."""
 
     def __init__(self, runner, setup: p.Setup, writer: bool, deliver: Callable[[Step], None]):
         self.runner = runner
@@ -294,12 +294,10 @@ class ForwardCapture:
         self.active = False
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
-        self.copy_stream = torch.cuda.Stream() if self.is_cuda else None
         self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens, setup.host_buffer_bytes)
         dtype = getattr(runner, "dtype", None)  # the states' (the model's activations')
         if self.is_cuda and writer and self.hidden_size and isinstance(dtype, torch.dtype):
             self.pinned.reserve(self.hidden_size * dtype.itemsize * len(self.layer_ids))
-        self.pending_copy: _DeviceStep | None = None
         # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
         self.codec = Codec()
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll
@@ -309,6 +307,7 @@ class ForwardCapture:
         self.backlog_bytes = 0  # host-buffer bytes of earlier steps not yet written, then
         self.clock = _ForwardClock(self.is_cuda)
         self.encoding = StepEncoding(self.clock, self.is_cuda)
+        self.copies = HostCopies(self.pinned, self.encoding, deliver) if self.is_cuda else None
         self.handles = []
         self._hook(layers)
         self._wrap_forward()
@@ -375,7 +374,7 @@ class ForwardCapture:
         return out
 
     def _hand_off(self, requests: list[StepRequest], positions, input_ids):
-        """Hand this step's rows to the assembler (on CUDA: stacked on the device, for `start_copy`)."""
+        """Hand this step's rows to the assembler (on CUDA: stacked on the device, for `HostCopies.start`)."""
         if positions is None or input_ids is None or positions.dim() != 1:
             raise CaptureError("the capture worker needs 1-D positions and token ids (no M-RoPE, no prompt embeds)")
         num_rows = max(request.end for request in requests)
@@ -407,7 +406,7 @@ class ForwardCapture:
         stacked = torch.stack(states) if states else None  # one copy to the host instead of one per layer
         computed = self.last_computed = torch.cuda.Event(enable_timing=True)
         computed.record()
-        self.pending_copy = _DeviceStep(computed, requests, positions, input_ids, stacked, self.codec, spans)
+        self.copies.pending = _DeviceStep(computed, requests, positions, input_ids, stacked, self.codec, spans)
 
     def last_forward_end(self) -> float:
         """time.monotonic() when the last captured step's forward pass ended (0.0 before any). On CUDA the host
@@ -423,21 +422,37 @@ class ForwardCapture:
         return time.monotonic() - last.elapsed_time(now) / 1e3
 
     def start_copy(self):
+        """Launch the last captured step's copy to the host (CUDA; `HostCopies.start`)."""
+        if self.copies is not None:
+            self.copies.start()
+
+
+class HostCopies:
+    """Captured steps moved to the host (CUDA): each step's states, or what a step codec made of them, copied on a
+    stream of its own into a pinned block (`_to_host`), then handed to `deliver` for the assembler. nvCOMP codecs'
+    steps are encoded and copied in the assembler's thread (`_finish_nvcomp`)."""
+
+    def __init__(self, pinned: PinnedPool, encoding: StepEncoding, deliver: Callable[[Step], None]):
+        self.pinned, self.encoding, self.deliver = pinned, encoding, deliver
+        self.stream = torch.cuda.Stream()
+        self.pending: _DeviceStep | None = None  # the last captured step, until `start` launches its copy
+
+    def start(self):
         """Launch the device-to-host copy of the last captured step, on its own stream.
 
         Deferred from the step itself to the next forward pass or driver call: launched at once, a step's states
         (512 MB for 16k tokens of Llama-8B) would hold the device-to-host copy engine just when vLLM copies the
         step's sampled tokens to the host, and vLLM, waiting for those, could wait for ours while the GPU idles.
         Deferred, the copy runs beside the next forward pass (measured effect small: bench/RESULTS.md, run 6)."""
-        if self.pending_copy is None:
+        if self.pending is None:
             return
-        step, self.pending_copy = self.pending_copy, None
+        step, self.pending = self.pending, None
         states, block = None, None
-        self.copy_stream.wait_event(step.computed)
-        with torch.cuda.stream(self.copy_stream):
+        self.stream.wait_event(step.computed)
+        with torch.cuda.stream(self.stream):
             for t in (step.positions, step.input_ids, step.stacked):
                 if t is not None:
-                    t.record_stream(self.copy_stream)  # no reuse by the allocator before the copy ends
+                    t.record_stream(self.stream)  # no reuse by the allocator before the copy ends
             positions = step.positions.to("cpu", non_blocking=True)
             input_ids = step.input_ids.to("cpu", non_blocking=True)
             deferred = step.stacked is not None and step.codec.name in NVCOMP_CODECS
@@ -454,7 +469,7 @@ class ForwardCapture:
                 host, block = self._to_host(step.stacked, step.stacked)
                 states = list(host.unbind(0))
             copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
+            copied.record(self.stream)
         if deferred:
             self.deliver(Step(step.requests, positions, input_ids, None, None, copied,
                               finish=lambda: self._finish_nvcomp(step, positions, input_ids, copied)))
