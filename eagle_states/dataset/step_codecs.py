@@ -355,14 +355,14 @@ def nvcomp_buffers(stored: np.ndarray) -> tuple[list[np.ndarray], list[int]]:
     return [stored[ends[i]:ends[i + 1]] for i in range(count)], decoded
 
 
-def _nvcomp_decode(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """An nvCOMP frame's buffers decoded on the CUDA device (nvCOMP's ANS has no host decoder) as the type they
-    were encoded as (`dtype`'s), into a tensor of `shape` there."""
+def _nvcomp_decode(stored: np.ndarray, shape: list[int], dtype: torch.dtype, codec_name: str) -> torch.Tensor:
+    """An nvCOMP frame's buffers (of a tensor stored with `codec_name`) decoded on the CUDA device (nvCOMP's ANS
+    has no host decoder) as the type they were encoded as (`dtype`'s), into a tensor of `shape` there."""
     buffers, decoded = nvcomp_buffers(stored)
     nbytes = math.prod(shape) * dtype.itemsize
     if sum(decoded) != nbytes:
         raise ValueError(f"decodes to {sum(decoded):,} bytes, the shape {shape} needs {nbytes:,}")
-    require_decoder("this tensor", "nvcomp-ans")
+    require_decoder("this tensor", codec_name)
     nvcomp = nvcomp_module()
     lengths = [b.nbytes for b in buffers]
     src_offsets, out_offsets = _aligned(lengths), _aligned(decoded)
@@ -382,7 +382,7 @@ def _nvcomp_decode(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> 
 
 
 def decode_nvcomp(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    return _nvcomp_decode(stored, shape, dtype).cpu()
+    return _nvcomp_decode(stored, shape, dtype, "nvcomp-ans").cpu()
 
 
 def decode_fp8_ans(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -390,7 +390,7 @@ def decode_fp8_ans(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> 
     tokens, _ = shape
     if stored.nbytes < tokens * 4:
         raise ValueError(f"{stored.nbytes:,} bytes, shorter than the {tokens:,} scales of shape {shape}")
-    codes = _nvcomp_decode(stored[tokens * 4:], shape, torch.uint8)
+    codes = _nvcomp_decode(stored[tokens * 4:], shape, torch.uint8, "fp8-e4m3-ans")
     scales = torch.from_numpy(stored[:tokens * 4]).view(torch.float32).to(codes.device)
     return _from_fp8(codes, scales, dtype).cpu()
 
