@@ -3,8 +3,9 @@ and what `ShardReader` gives back.
 
 * nvcomp-ans: a step of [L, R, H] states in spans (as samples split it), encoded on the device, copied, framed,
   written and read back bit for bit; its ratio and its own speed (device time, CUDA events) on the step.
-* fp8-e4m3: the codes and scales made on the GPU against the ones the CPU makes from the same states, its read back
-  within the bound, and its speed.
+* fp8-e4m3: the codes and scales made on the GPU (compiled, as the capture makes them there, and eager, as the CPU
+  build does) against the ones the CPU makes from the same states, its read back within the bound, and the speed
+  of both side by side.
 * fp8-e4m3-ans: the same step as fp8-e4m3 with its codes coded by ANS: read back bit for bit as fp8-e4m3's; its
   ratio and speed (fp8 and ANS together).
 
@@ -112,17 +113,23 @@ def main() -> int:
     print(f"nvcomp-ans: ratio {raw / step.data.numel():.3f} on the device ({raw / size:.3f} as a shard), encode "
           f"{raw / seconds / 1e9:.0f} GB/s (device time), read back bit for bit: {equal}")
 
-    step, seconds = device_seconds(lambda: fp8_encode_step(stacked))
+    eager, eager_s = device_seconds(lambda: fp8_encode_step(stacked, fused=False))
+    step, seconds = device_seconds(lambda: fp8_encode_step(stacked))  # compiled: what the capture runs on CUDA
     cpu = fp8_encode_step(stacked.cpu())
     # codes and scales (the sums of squares are reductions in another order on each)
-    gpu_rows, cpu_rows = step.host_rows(step.data.cpu(), "fp8-e4m3"), cpu.host_rows(cpu.data, "fp8-e4m3")
-    scales_same = all(torch.equal(g.aux[:, 0], c.aux[:, 0]) for g, c in zip(gpu_rows, cpu_rows))
-    codes_differ = sum(int((g.codes != c.codes).sum()) for g, c in zip(gpu_rows, cpu_rows)) / stacked.numel()
+    cpu_rows = cpu.host_rows(cpu.data, "fp8-e4m3")
+    for name, made in (("compiled", step), ("eager", eager)):
+        rows_ = made.host_rows(made.data.cpu(), "fp8-e4m3")
+        scales_same = all(torch.equal(g.aux[:, 0], c.aux[:, 0]) for g, c in zip(rows_, cpu_rows))
+        codes_differ = sum(int((g.codes != c.codes).sum()) for g, c in zip(rows_, cpu_rows)) / stacked.numel()
+        errors = [float(g.aux[:, 1].double().sum() / g.aux[:, 2].double().sum()) ** 0.5 for g in rows_]
+        print(f"fp8-e4m3 on the GPU, {name}: scales == the CPU's: {scales_same}, codes differing from the CPU's: "
+              f"{codes_differ:.2e} of all, relative error per layer {', '.join(f'{e:.4f}' for e in errors)}")
     size, close = roundtrip(Codec("fp8-e4m3"), step, stacked, spans, workdir)
     ok &= close
-    print(f"fp8-e4m3: ratio {raw / step.data.numel():.3f}, encode {raw / seconds / 1e9:.0f} GB/s (device time), "
-          f"scales GPU == CPU: {scales_same}, codes differing from the CPU's: {codes_differ:.2e} of all, read back "
-          f"within the bound: {close}")
+    print(f"fp8-e4m3: ratio {raw / step.data.numel():.3f}, encode {raw / seconds / 1e9:.0f} GB/s compiled, "
+          f"{raw / eager_s / 1e9:.0f} GB/s eager (x{eager_s / seconds:.1f}; device time), read back within the "
+          f"bound: {close}")
 
     with torch.cuda.stream(stream):
         step, seconds = device_seconds(lambda: fp8_ans_encode_step(stacked, spans, encoder))

@@ -108,6 +108,19 @@ def test_zero_rows_and_a_damaged_fp8_tensor(tmp_path):
         shard.get_tensor("s0/hidden_states/2")
 
 
+def test_the_compiled_fp8_step_makes_the_eager_codes_and_scales():
+    """On CUDA the capture runs `fp8_quantize` compiled over all layers at once; here Inductor's CPU backend stands
+    in for Triton (the device's run: bench/gpu_codec_check.py): one graph (fullgraph), any row count (dynamic),
+    and the eager path's codes and scales."""
+    for rows in (40, 7, 1):  # the count changes from step to step; a single row is a shape of its own to Inductor
+        stacked = captured_like(rows=rows, dtype=torch.bfloat16)
+        stacked[:, 0] = 0
+        fused, eager = fp8_encode_step(stacked, fused=True), fp8_encode_step(stacked, fused=False)
+        for f, e in zip(fused.host_rows(fused.data, FP8.name), eager.host_rows(eager.data, FP8.name)):
+            assert torch.equal(f.codes, e.codes) and torch.equal(f.aux[:, 0], e.aux[:, 0])
+            assert torch.allclose(f.aux[:, 1:], e.aux[:, 1:], rtol=1e-4, atol=1e-6)
+
+
 def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device():
     stored, extra = frame_nvcomp([NvcompPiece(torch.arange(10, dtype=torch.uint8), 3, 8, torch.bfloat16),
                                   NvcompPiece(torch.arange(7, dtype=torch.uint8), 2, 8, torch.bfloat16)])
