@@ -119,10 +119,10 @@ def main() -> int:
     # codes and scales (the sums of squares are reductions in another order on each)
     cpu_rows = cpu.host_rows(cpu.data, "fp8-e4m3")
     for name, made in (("compiled", step), ("eager", eager)):
-        rows_ = made.host_rows(made.data.cpu(), "fp8-e4m3")
-        scales_same = all(torch.equal(g.aux[:, 0], c.aux[:, 0]) for g, c in zip(rows_, cpu_rows))
-        codes_differ = sum(int((g.codes != c.codes).sum()) for g, c in zip(rows_, cpu_rows)) / stacked.numel()
-        errors = [float(g.aux[:, 1].double().sum() / g.aux[:, 2].double().sum()) ** 0.5 for g in rows_]
+        made_rows = made.host_rows(made.data.cpu(), "fp8-e4m3")
+        scales_same = all(torch.equal(g.aux[:, 0], c.aux[:, 0]) for g, c in zip(made_rows, cpu_rows))
+        codes_differ = sum(int((g.codes != c.codes).sum()) for g, c in zip(made_rows, cpu_rows)) / stacked.numel()
+        errors = [float(g.aux[:, 1].double().sum() / g.aux[:, 2].double().sum()) ** 0.5 for g in made_rows]
         print(f"fp8-e4m3 on the GPU, {name}: scales == the CPU's: {scales_same}, codes differing from the CPU's: "
               f"{codes_differ:.2e} of all, relative error per layer {', '.join(f'{e:.4f}' for e in errors)}")
     size, close = roundtrip(Codec("fp8-e4m3"), step, stacked, spans, workdir)

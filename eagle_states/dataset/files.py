@@ -22,7 +22,7 @@ import numpy as np
 from eagle_states import stopping
 
 
-def _libc(name: str, argtypes: list):
+def libc_function(name: str, argtypes: list):
     """A Linux libc function, or None where there is none."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
@@ -33,8 +33,8 @@ def _libc(name: str, argtypes: list):
 
 
 # None where there is none: the final fsync alone then does the writing
-_SYNC_FILE_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
-_STATFS = _libc("statfs", [ctypes.c_char_p, ctypes.c_char_p])
+_SYNC_FILE_RANGE = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+_STATFS = libc_function("statfs", [ctypes.c_char_p, ctypes.c_char_p])
 _SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
 
 
