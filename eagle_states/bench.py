@@ -3,7 +3,8 @@ for, interleaved in one process on one engine, so all see the same model, settin
 
 Plain prefill is `llm.generate(..., max_tokens=1)` without sample ids: the capture hooks stay idle, which is
 what vLLM does without this project. Capture is `Extraction.run` into a fresh directory each round, once per
-codec (the codec is the shard writers', so one engine serves them all). Each round starts with the next one in
+codec (the codec is the shard writers', so one engine serves them all), from the prompts as `prepare` leaves them
+for `extract` (its samples table, read and checked again each round). Each round starts with the next one in
 turn, so a drift of the machine's speed favours none of them.
 """
 
@@ -21,6 +22,7 @@ from eagle_states.capture.engine import EngineHolder
 from eagle_states.config import PipelineParams
 from eagle_states.dataset.files import atomic_file, libc_function
 from eagle_states.dataset.layout import shard_path
+from eagle_states.dataset.prepared import write_samples
 from eagle_states.extraction.driver import Extraction
 
 
@@ -131,10 +133,13 @@ def random_prompts(model: Path, num_prompts: int, prompt_len: int, seed: int = 0
     return [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
 
 
-def write_prompts(path: Path, prompts: list[list[int]]) -> None:
-    """An extraction input of token ids, row i with the id b{i:06d}."""
-    Path(path).write_text("".join(json.dumps({"id": f"b{i:06d}", "input_ids": p}) + "\n"
-                                  for i, p in enumerate(prompts)))
+def write_prompts(directory: Path, prompts: list[list[int]]) -> None:
+    """An extraction input as `prepare` leaves it for `extract` (its samples table), row i with the id b{i:06d},
+    every token a loss token."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    write_samples(directory, [{"sample_id": f"b{i:06d}", "source_row": i + 1, "input_ids": p,
+                               "loss_mask": [1] * len(p), "num_tokens": len(p), "num_loss_tokens": len(p)}
+                              for i, p in enumerate(prompts)])
 
 
 def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, prompt_len: int, rounds: int,
@@ -149,7 +154,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     model = Path(params.model.path)
     e = params.extract
     prompts = random_prompts(model, num_prompts, prompt_len, seed)
-    source, warm_source = out_dir / "prompts.jsonl", out_dir / "warm-up.jsonl"
+    source, warm_source = out_dir / "prompts", out_dir / "warm-up-prompts"
     write_prompts(source, prompts)
     write_prompts(warm_source, prompts[: max(1, num_prompts // 8)])
     tokens = num_prompts * prompt_len

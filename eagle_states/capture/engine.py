@@ -156,7 +156,7 @@ class CaptureEngine:
                 samples = self.workers.begin_shard(job)
                 for sample in samples:
                     request_id = self.request_id(job.name, sample.sample_id)
-                    self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": sample.input_ids},
+                    self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": sample.input_ids.tolist()},
                                                     _prefill_params(sample.sample_id))
                     in_flight[request_id] = sample
                 unlaunched = {s.sample_id for s in samples}

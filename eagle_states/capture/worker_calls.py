@@ -35,7 +35,7 @@ class ShardResult:
     path: Path  # the shard's file (names repeat across datasets)
 
 
-def ids_crc(input_ids: list[int]) -> int:
+def ids_crc(input_ids) -> int:
     """The checksum workers report for the token ids they saw (int32, as the runner holds them)."""
     return zlib.crc32(np.asarray(input_ids, dtype=np.int32).tobytes())
 
@@ -71,7 +71,7 @@ class CaptureWorkers:
         samples = in_file_order(job)
         self.call(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
                                num_tokens=[len(s.input_ids) for s in samples],
-                               loss_masks=[s.loss_mask for s in samples], codec=job.codec))
+                               loss_masks=[s.loss_mask.tolist() for s in samples], codec=job.codec))
         self.queued[str(job.path)] = job
         self.reports[str(job.path)] = {}
         return samples

@@ -213,7 +213,7 @@ class CaptureConfig:
             "shard": shard.name, SHARD_DIGEST: result.digest, "bytes": result.bytes, "config_hash": self.config_hash,
             "content_hash": shard.content_hash, "engine": engine_versions(),
             "samples": [{"sample_id": s.sample_id, "num_tokens": result.num_tokens[s.sample_id],
-                         "num_loss_tokens": int(sum(s.loss_mask)), "source_row": s.source_row}
+                         "num_loss_tokens": s.num_loss_tokens, "source_row": s.source_row}
                         for s in shard.samples]}
         # Not fsynced here (finalize does it): this runs between engine steps, and an fsync there waits for the
         # filesystem journal and with it for the shard data other writers have in flight, while the GPU idles.
