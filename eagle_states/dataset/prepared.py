@@ -133,6 +133,8 @@ class RowRules:
 
 
 def _sample_id(value, where: str) -> str:
+    if value is None:
+        raise InputError(f"{where}: no 'id'")
     sample_id = str(value)
     try:
         check_sample_id(sample_id)
@@ -148,8 +150,9 @@ def check_row(row: dict, where: str, rules: RowRules) -> InputSample:
     if "id" not in row and "sample_id" not in row:
         raise InputError(f"{where}: no 'id'")
     sample_id = _sample_id(row.get("id", row.get("sample_id")), where)
-    ids, mask = row.get("input_ids"), row.get("loss_mask")
-    return rules.sample(sample_id, _json_integers(ids), None if mask is None else _json_integers(mask),
+    # no loss_mask: every token counts; a null one is refused as any other value that is not a list of 0/1
+    return rules.sample(sample_id, _json_integers(row.get("input_ids")),
+                        _json_integers(row["loss_mask"]) if "loss_mask" in row else None,
                         int(row.get("source_row", 0)), where)
 
 
@@ -220,6 +223,8 @@ def _table_samples(directory: Path, rules: RowRules) -> Iterator[tuple[str, Inpu
     ids, id_offsets = _flat_lists(table, "input_ids", where, rows)
     masks, mask_offsets = _flat_lists(table, "loss_mask", where, rows)
     for i, (name, row) in enumerate(zip(table.column("sample_id").to_pylist(), rows)):
+        if row is None:
+            raise InputError(f"{where} at index {i}: no source_row")
         label = f"{where} {row}"
         yield label, rules.sample(_sample_id(name, label), ids[id_offsets[i]:id_offsets[i + 1]],
                            masks[mask_offsets[i]:mask_offsets[i + 1]], int(row), label)

@@ -87,6 +87,7 @@ def test_a_broken_row_is_named_in_either_form(tmp_path, row, message):
     ("5 6", [1, 1], "'input_ids' must be a non-empty list of integers"),
     ([5, 6], [True, False], "'loss_mask' must be a list of 0/1"),
     ([5, 6], [1, 2**70], "'loss_mask' must be a list of 0/1"),
+    ([5, 6], None, "'loss_mask' must be a list of 0/1"),  # null, not absent
 ])
 def test_json_values_that_are_not_integers(tmp_path, ids, mask, message):
     """JSON's own types: numpy would take booleans and floats for integers."""
@@ -113,3 +114,7 @@ def test_a_table_with_a_null_or_without_a_column(tmp_path):
     with pytest.raises(InputError, match="no column loss_mask"):
         load_input(folder, VOCAB, MAX_TOKENS)
     assert prepared_input_hash(folder) is None
+    pq.write_table(pa.table({"sample_id": ["a", None], "source_row": [4, 9], "input_ids": [[5, 6], [7]],
+                             "loss_mask": [[1, 1], [1]]}), folder / "samples.parquet")
+    with pytest.raises(InputError, match="samples.parquet sample 9: no 'id'"):
+        load_input(folder, VOCAB, MAX_TOKENS)
