@@ -39,7 +39,8 @@ from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest, pinned_
 from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
                                            UnsupportedRunnerError)
 from eagle_states.dataset.codec import NVCOMP_CODECS, Codec
-from eagle_states.dataset.step_codecs import EncodedStep, NvcompStepEncoder, fp8_ans_encode_step, fp8_encode_step
+from eagle_states.dataset.step_codecs import (EncodedStep, NvcompStepEncoder, fp8_ans_encode_step, fp8_encode_step,
+                                              fp8_rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,18 +240,33 @@ class StepEncoding:
         self.lock = threading.Lock()  # encodes run on the forward and the assembler threads
         self.encoded_bytes, self.encode_s = 0, 0.0
 
-    def encode(self, stacked: torch.Tensor, spans: list[tuple[int, int]], codec: Codec) -> EncodedStep:
-        """`stacked` encoded where it is (on CUDA: queued on the caller's stream, behind the step's kernels)."""
+    def encode(self, stacked: torch.Tensor, spans: list[tuple[int, int]], codec: Codec,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> EncodedStep:
+        """`stacked` encoded where it is (on CUDA: queued on the caller's stream, behind the step's kernels);
+        fp8-e4m3-ans: from its fp8 codes and row numbers (`quantize`, made in the forward thread)."""
         start = self.clock.mark()
         if codec.name == "fp8-e4m3":
             encoded = fp8_encode_step(stacked)
         else:
             self.nvcomp = self.nvcomp or NvcompStepEncoder(self.stream)
             encoded = (self.nvcomp(stacked, spans) if codec.name == "nvcomp-ans" else
-                       fp8_ans_encode_step(stacked, spans, self.nvcomp))
-        with self.lock:
-            self.timing.append((start, self.clock.mark(), stacked.numel() * stacked.element_size()))
+                       fp8_ans_encode_step(stacked, spans, self.nvcomp, quantized))
+        self._timed(start, 0 if quantized is not None else stacked.numel() * stacked.element_size())
         return encoded
+
+    def quantize(self, stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8-e4m3-ans's fp8 step, queued on the caller's stream. Called in the forward thread, as fp8-e4m3's
+        whole encode is: the compiled step's first call traces it, and Dynamo's tracing flag is global, so traced
+        in the assembler thread it made vLLM's own compiled functions, called by the forward pass meanwhile, fail
+        (DeepSeek-V3's MoE routing on the H200: "FX to symbolically trace a dynamo-optimized function")."""
+        start = self.clock.mark()
+        quantized = fp8_rows(stacked)
+        self._timed(start, stacked.numel() * stacked.element_size())
+        return quantized
+
+    def _timed(self, start, nbytes: int) -> None:
+        with self.lock:
+            self.timing.append((start, self.clock.mark(), nbytes))
 
     def seconds(self) -> tuple[int, float]:
         """(bytes, seconds) the step codecs took in so far (waits for the encodes still running)."""
@@ -456,11 +472,14 @@ class HostCopies:
             positions = step.positions.to("cpu", non_blocking=True)
             input_ids = step.input_ids.to("cpu", non_blocking=True)
             deferred = step.stacked is not None and step.codec.name in NVCOMP_CODECS
+            quantized = None
             if deferred:
                 # nvCOMP's host API waits for its output sizes: that wait must not hold up the next forward pass
                 waited = time.monotonic()
                 self.encoding.device_steps.acquire()
                 self.pinned.wait_s += time.monotonic() - waited  # back-pressure, like a full pinned pool
+                if step.codec.name == "fp8-e4m3-ans":  # here, in the forward thread (`StepEncoding.quantize`)
+                    quantized = self.encoding.quantize(step.stacked)
             elif step.stacked is not None and step.codec.on_device:
                 encoded = self.encoding.encode(step.stacked, step.spans, step.codec)
                 host, block = self._to_host(encoded.data, step.stacked)
@@ -472,22 +491,24 @@ class HostCopies:
             copied.record(self.stream)
         if deferred:
             self.deliver(Step(step.requests, positions, input_ids, None, None, copied,
-                              finish=lambda: self._finish_nvcomp(step, positions, input_ids, copied)))
+                              finish=lambda: self._finish_nvcomp(step, positions, input_ids, copied, quantized)))
         else:
             self.deliver(Step(step.requests, positions, input_ids, states, block, copied))
 
     def _finish_nvcomp(self, step: _DeviceStep, positions: torch.Tensor, input_ids: torch.Tensor,
-                       copied: torch.cuda.Event) -> Step:
+                       copied: torch.cuda.Event, quantized: tuple[torch.Tensor, torch.Tensor] | None) -> Step:
         """An nvCOMP codec's step encoded and copied to the host, in the assembler thread; `positions`, `input_ids`:
-        its host copies, which the forward thread queued (done once `copied` is)."""
+        its host copies, and `quantized` fp8-e4m3-ans's codes and row numbers, which the forward thread queued
+        (done once `copied` is)."""
         try:
             stream = self.encoding.stream
             # waited for on the host, through torch, which lets go of the GIL: nvCOMP's calls, queued behind the
             # step's kernels, would wait for them holding it, and the forward thread could launch nothing meanwhile
-            step.computed.synchronize()
-            step.stacked.record_stream(stream)
+            copied.synchronize()
+            for t in (step.stacked, *(quantized or ())):
+                t.record_stream(stream)
             with torch.cuda.stream(stream):
-                encoded = self.encoding.encode(step.stacked, step.spans, step.codec)
+                encoded = self.encoding.encode(step.stacked, step.spans, step.codec, quantized)
                 host, block = self._to_host(encoded.data, step.stacked)
                 encoded_copied = torch.cuda.Event()
                 encoded_copied.record(stream)

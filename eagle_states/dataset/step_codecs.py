@@ -197,7 +197,7 @@ def _fused_fp8_quantize():
     return torch.compile(fp8_quantize, dynamic=True, fullgraph=True)
 
 
-def _fp8_rows(stacked: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(stacked: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[L, R, H] states -> e4m3 codes (uint8 [L, R, H]) and per-row numbers (float32 [L, R, FP8_AUX]). `fused`
     (default: on a CUDA device) compiled over all layers at once; else eager, a layer at a time (the temporaries
     are one layer's), as the CPU build runs it."""
@@ -219,16 +219,17 @@ def _packed(data: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
 
 def fp8_encode_step(stacked: torch.Tensor, fused: bool | None = None) -> EncodedStep:
     """[L, R, H] states -> e4m3 codes and per-row (scale, squared error, squared norm), packed in one tensor
-    (`fused`: as `_fp8_rows`)."""
-    codes, aux = _fp8_rows(stacked, fused)
+    (`fused`: as `fp8_rows`)."""
+    codes, aux = fp8_rows(stacked, fused)
     return EncodedStep(_packed(codes, aux), *stacked.shape, stacked.dtype)
 
 
-def fp8_ans_encode_step(stacked: torch.Tensor, spans: list[tuple[int, int]], ans: NvcompStepEncoder
-                        ) -> EncodedStep:
-    """fp8-e4m3's codes and per-row numbers, the codes of each (layer, span) coded by `ans` as bytes; stored:
-    the buffers, then the per-row numbers (as fp8-e4m3 stores them after its codes)."""
-    codes, aux = _fp8_rows(stacked)
+def fp8_ans_encode_step(stacked: torch.Tensor, spans: list[tuple[int, int]], ans: NvcompStepEncoder,
+                        quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> EncodedStep:
+    """fp8-e4m3's codes and per-row numbers (`quantized`: made already by `fp8_rows`), the codes of each (layer,
+    span) coded by `ans` as bytes; stored: the buffers, then the per-row numbers (as fp8-e4m3 stores them after
+    its codes)."""
+    codes, aux = quantized if quantized is not None else fp8_rows(stacked)
     coded = ans(codes, spans)
     return EncodedStep(_packed(coded.data, aux), *stacked.shape, stacked.dtype, coded.spans, coded.sizes)
 
