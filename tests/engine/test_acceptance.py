@@ -133,7 +133,9 @@ def test_the_layer_ids_vllm_captures_are_the_manifests(report):
 
 def test_vllms_own_capture_at_the_manifests_layer_ids_gives_the_same_states(work, report):
     """The layer convention against vLLM itself: its `extract_hidden_states` (speculators' data generation path,
-    bench/peer_extract.py) at the manifest's layer ids gives our states bit for bit; one layer down, it does not."""
+    bench/peer_extract.py) at the manifest's layer ids gives our states, to fp32's rounding; one layer down, 15 %
+    away. Bit for bit on the machines this ran on first; on an AMD EPYC 236-244 of the 300 samples were, the others
+    within 1.4e-7 (vLLM's CPU kernels there round differently for other batch compositions)."""
     peer = Path(__file__).resolve().parents[2] / "bench" / "peer_extract.py"
     export = work / "acceptance" / "export"
 
@@ -143,6 +145,6 @@ def test_vllms_own_capture_at_the_manifests_layer_ids_gives_the_same_states(work
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"seconds"')))
     same = extract(",".join(map(str, report["manifest_layer_ids"])), "peer")
-    assert same["bitwise_equal_to_ours"] == same["samples"] == 300
+    assert same["samples"] == 300 and same["relative_error_worst"] < 1e-5, same
     shifted = extract(",".join(str(k - 1) for k in report["manifest_layer_ids"][:-1]) + ",8", "peer-shifted")
-    assert shifted["bitwise_equal_to_ours"] == 0
+    assert shifted["bitwise_equal_to_ours"] == 0 and shifted["relative_error_best"] > 1e-2, shifted

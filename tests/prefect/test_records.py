@@ -12,6 +12,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -217,6 +218,12 @@ def test_a_task_worker_refuses_planted_parameters_and_a_future_a_planted_result(
     future = task.delay({"a": 1}, "shard-00000", "k0")
     on_a_worker(asyncio.run(task_run(future)))
     assert ran.exists()
+    # the server records a worker's states from its events, a moment later (on a busy machine, after this line):
+    # a future read before that refuses ("has no state"), so the coordinator polls first (`dispatch`), as here
+    deadline = time.monotonic() + 60
+    while (state := asyncio.run(task_run(future)).state) is None or not state.is_final():
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
     assert future.result(timeout=60) == {"shard": "shard-00000", "key": "k0", "a": 1}
 
     # its stored result replaced by a plant: a fresh future (the coordinator's poll) refuses it
