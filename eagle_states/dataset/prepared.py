@@ -125,11 +125,11 @@ class RowRules:
         elif (mask.ndim != 1 or len(mask) != len(ids) or mask.dtype.kind not in "iu"
               or mask.min() < 0 or mask.max() > 1):
             raise InputError(f"{label}: 'loss_mask' must be a list of 0/1 as long as input_ids ({len(ids)})")
-        loss_tokens = int(np.count_nonzero(mask))
-        if loss_tokens < self.min_loss_tokens:
-            raise InputError(f"{label}: {loss_tokens} loss tokens; validation needs at least "
+        sample = InputSample(sample_id, ids, mask, source_row)
+        if sample.num_loss_tokens < self.min_loss_tokens:
+            raise InputError(f"{label}: {sample.num_loss_tokens} loss tokens; validation needs at least "
                              f"{self.min_loss_tokens} (validate.min_loss_tokens)")
-        return InputSample(sample_id, ids, mask, source_row)
+        return sample
 
 
 def _sample_id(value, where: str) -> str:
@@ -185,9 +185,9 @@ def _jsonl_samples(path: Path, rules: RowRules) -> Iterator[tuple[str, InputSamp
             yield label, check_row(row, label, rules)
 
 
-def _flat_lists(table, name: str, where: str, rows: list) -> tuple[np.ndarray, np.ndarray]:
+def _flat_lists(table, name: str, table_path: Path, rows: list) -> tuple[np.ndarray, np.ndarray]:
     """(values, offsets) of a list column read whole: row i is values[offsets[i]:offsets[i + 1]] (a null list is
-    an empty one); a null inside a list is refused, naming its row."""
+    an empty one); a null inside a list is refused, naming its row (`rows`: the source rows)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -199,10 +199,9 @@ def _flat_lists(table, name: str, where: str, rows: list) -> tuple[np.ndarray, n
     if values.null_count:
         first_null = int(np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0])
         row = int(np.searchsorted(offsets, first_null, side="right")) - 1
-        raise InputError(f"{where} {rows[row]}: '{name}' holds a null")
+        raise InputError(f"{table_path} sample {rows[row]}: '{name}' holds a null")
     if not (pa.types.is_integer(values.type) or pa.types.is_null(values.type)):  # null: every list empty
-        raise InputError(f"{where.removesuffix(' sample')}: column '{name}' holds lists of {values.type}, not of "
-                         "integers")
+        raise InputError(f"{table_path}: column '{name}' holds lists of {values.type}, not of integers")
     return values.to_numpy(zero_copy_only=False), offsets
 
 
@@ -218,14 +217,13 @@ def _table_samples(directory: Path, rules: RowRules) -> Iterator[tuple[str, Inpu
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise InputError(f"{table_path}: no column {', '.join(missing)} (written by `eagle-states prepare`)")
-    where = f"{table_path} sample"
     rows = table.column("source_row").to_pylist()
-    ids, id_offsets = _flat_lists(table, "input_ids", where, rows)
-    masks, mask_offsets = _flat_lists(table, "loss_mask", where, rows)
+    ids, id_offsets = _flat_lists(table, "input_ids", table_path, rows)
+    masks, mask_offsets = _flat_lists(table, "loss_mask", table_path, rows)
     for i, (name, row) in enumerate(zip(table.column("sample_id").to_pylist(), rows)):
         if row is None:
-            raise InputError(f"{where} at index {i}: no source_row")
-        label = f"{where} {row}"
+            raise InputError(f"{table_path} sample at index {i}: no source_row")
+        label = f"{table_path} sample {row}"
         yield label, rules.sample(_sample_id(name, label), ids[id_offsets[i]:id_offsets[i + 1]],
                            masks[mask_offsets[i]:mask_offsets[i + 1]], int(row), label)
 
