@@ -300,6 +300,8 @@ def validate_dataset(dataset_dir: Path, prepared_dir: Path | None = None, min_lo
     record = read_record(dataset_dir)
     if reuse and record and record.get("key") == key and record["summary"].get("valid"):
         summary = {**record["summary"], "reused": True, "seconds": round(time.time() - started, 3)}
+        if "relative_error_per_layer" in summary:  # JSON's keys are strings; a verdict's layer ids are ints
+            summary["relative_error_per_layer"] = {int(k): v for k, v in summary["relative_error_per_layer"].items()}
         _write_report(report, summary, None)
         return ValidationResult(True, pd.DataFrame(columns=FAILURE_COLUMNS), summary)
     index = pd.read_parquet(check_regular(dataset_dir / layout.INDEX_FILE))

@@ -168,6 +168,8 @@ def test_fp8_reads_back_within_its_bound_of_the_plain_states_and_validation_meas
     for k in manifest["layer_ids"]:
         measured = (errors[k] / norms[k]) ** 0.5
         assert 0.005 < measured < 0.05 and recorded[k] == pytest.approx(measured, rel=1e-3)
+    again = validate_dataset(fp8)  # the verdict recorded beside it, read back: the same figures, the same keys
+    assert again.summary["reused"] and again.summary["relative_error_per_layer"] == recorded
     export_dataset(fp8, tmp_path / "speculators", "speculators", progress=False)
     assert (tmp_path / "speculators" / EXPORT_FILE).exists()
 
