@@ -5,8 +5,10 @@
 #   bash bench/h200_acceptance.sh target       a larger keyed target trained on the GPU
 #   bash bench/h200_acceptance.sh acceptance   extraction -> drafts (this project's loop on speculators' model, the
 #                                              controls: $CONTROLS, set empty for none) -> vLLM's EAGLE-3 acceptance
-#   bash bench/h200_acceptance.sh fp8          issue #29: the acceptance stage's input stored fp8-e4m3-ans, drafts on
-#                                              it and on the bf16 states at two seeds, side by side (after acceptance)
+#   bash bench/h200_acceptance.sh fp8          issue #29: the acceptance stage's input stored fp8-e4m3-ans, a draft
+#                                              on it and one on the bf16 states at draft seed $SEEDS (default 0),
+#                                              side by side (after acceptance; about 8 minutes, 4 for a further
+#                                              seed: SEEDS=1 in a call of its own reuses the fp8 dataset)
 #   bash bench/h200_acceptance.sh speculators  the correct draft trained by `speculators train` itself, beside the
 #                                              acceptance stage's (resumed, served again): a stage of its own, so
 #                                              that a failure of speculators' trainer costs no other figure
@@ -41,7 +43,8 @@ speculators)
     cp "$W/bench/original/acceptance/draft-speculators-train.run/train.log" "$OUT/speculators-train.log" 2>/dev/null ;;
 fp8)
     python3 bench/acceptance_fp8.py --bench-out "$W/bench" --model "$W/target" --out "$W/fp8" --codec fp8-e4m3-ans \
-        --device cuda --seeds 0,1 $RECIPE --json "$OUT/acceptance-fp8.json" 2>&1 | tee "$OUT/acceptance-fp8.log" \
+        --device cuda --seeds "${SEEDS:-0}" $RECIPE --json "$OUT/acceptance-fp8-seed${SEEDS:-0}.json" 2>&1 \
+        | tee "$OUT/acceptance-fp8-seed${SEEDS:-0}.log" \
         | grep -v "^\(INFO\|DEBUG\)" ;;
 peer)
     [ -d /tmp/m8b ] || python3 /tmp/kit/make_model.py /tmp/m8b >/dev/null
