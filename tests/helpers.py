@@ -50,6 +50,25 @@ def model_too_big_for_the_disk(model: Path, folder: Path) -> Path:
     return huge
 
 
+def refuse_a_write(monkeypatch, nth: int) -> None:
+    """The `nth` write to any file `atomic_file` opens fails as a full disk does (ENOSPC), the others go through:
+    what a writer does when the disk fills mid-shard."""
+    import errno
+
+    from eagle_states.dataset import files
+
+    calls, original = [], {cls: cls.write for cls in (files.StreamingFile, files.DirectFile)}
+
+    def write(self, data):
+        calls.append(len(data))
+        if len(calls) == nth:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original[type(self)](self, data)
+
+    for cls in original:
+        monkeypatch.setattr(cls, "write", write)
+
+
 def extraction_params(model: Path, source: Path, out: Path, **extract) -> PipelineParams:
     """Parameters for extracting `source` (a prompt JSONL or a prepared directory) with `model` into `out`;
     `extract` overrides the extract section (everything else is config's defaults)."""

@@ -66,7 +66,8 @@ class ShardFileWriter:
     the two). With a codec (`codec.Codec`), each hidden state is compressed in the calling (writer) thread as it
     arrives (a step codec's was on the device) and written behind the header's reserved room at once; the header,
     which needs the compressed sizes, goes into its room at the end, and the file is hashed then, from the
-    compressed tensors kept in memory until the shard's end (the digest is of the file in order, header first).
+    compressed tensors kept in memory until the shard's end (the digest is of the file in order, header first),
+    while the helper thread still writes the last of them; one tensor is encoded while the one before is written.
     """
 
     def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec()):
@@ -124,8 +125,9 @@ class ShardFileWriter:
             self._hasher.update(data)
 
     def write(self, name: str, pieces: list[torch.Tensor]) -> None:
-        """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written.
-        With a step codec, a hidden state's pieces are the ones it encoded on the device (`step_codecs`)."""
+        """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written, or
+        with a codec once they are encoded (the pieces are free then). With a step codec, a hidden state's pieces
+        are the ones it encoded on the device (`step_codecs`)."""
         expected = self.order[self._next] if self._next < len(self.order) else None
         if name != expected:
             raise ValueError(f"{self.path.name}: tensor {name} written where {expected} comes next")
@@ -154,7 +156,10 @@ class ShardFileWriter:
             else:
                 for chunk in data:
                     self._put(chunk)
-        while self._writes:  # once `write` returns the caller may reuse the pieces' memory
+        # Uncompressed, the caller may reuse the pieces' memory once `write` returns: wait for them. With a codec,
+        # what was queued is this writer's own copy (compressed, framed or copied, kept for the digest): the next
+        # tensor is encoded while this one goes to the file, and a failed write surfaces at the next call.
+        while self._writes and (not self.codec.enabled or self._writes[0].done()):
             self._writes.pop(0).result()
         self._next += 1
 
@@ -171,15 +176,16 @@ class ShardFileWriter:
                 if self._next != len(self.order):
                     raise ValueError(f"{self.path.name}: {len(self.order) - self._next} tensors were not written "
                                      f"(next: {self.order[self._next]})")
-                for write in self._writes:
-                    write.result()
-                if self.codec.enabled:
+                if self.codec.enabled:  # hashed while the last tensors are still being written
                     header = self._header(self._encoded, self.room)
-                    self._file.write_head(header)
                     self._hasher.update(header)
                     for name in self.order:
                         for chunk in self._kept[name]:
                             self._hasher.update(chunk)
+                for write in self._writes:
+                    write.result()
+                if self.codec.enabled:
+                    self._file.write_head(header)
                 self.digest = self._hasher.hexdigest()
             except BaseException as error:
                 failure = error

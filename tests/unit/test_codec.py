@@ -15,7 +15,7 @@ from eagle_states.capture.engine import ShardResult
 from eagle_states.dataset.codec import Codec, CorruptTensorError
 from eagle_states.dataset.shard_file import ShardReader, read_header, write_shard_file
 from eagle_states.extraction.driver import Extraction, NoRoomError
-from helpers import extraction_params, model_too_big_for_the_disk, write_prompt_jsonl
+from helpers import extraction_params, model_too_big_for_the_disk, refuse_a_write, write_prompt_jsonl
 
 ZSTD, LZ4 = Codec("blosc2-zstd"), Codec("blosc2-lz4")
 
@@ -126,3 +126,16 @@ def test_a_compressed_shards_header_room_holds_its_widest_form_and_refuses_a_wid
     encoded["s/hidden_states/1"] = (WIDEST_SIZE, {**widest, "undeclared": "x" * out.room})
     with pytest.raises(ValueError, match="shard.safetensors: a header of .* past its room"):
         out._header(encoded, out.room)
+
+
+
+def test_a_compressed_shard_whose_write_fails_midway_raises_it_and_leaves_nothing(tmp_path, monkeypatch):
+    """With a codec the writer encodes the next tensor while the one before is still being written: a write that
+    fails behind it (here the disk refusing the third piece) still stops the shard with that error, and no file,
+    temp or final, is left (tests/unit/test_step_codecs.py: the same with a step codec)."""
+    refuse_a_write(monkeypatch, 3)
+    tensors = {f"s{i}/hidden_states/0": torch.randn(128, 96).to(torch.bfloat16) for i in range(6)}
+    with pytest.raises(OSError) as refused:
+        write_shard_file(tmp_path / "shard.safetensors", tensors, ZSTD)
+    assert refused.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []

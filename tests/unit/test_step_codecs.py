@@ -2,6 +2,7 @@
 makes read back in the capture's dtype), and the nvCOMP frame's checks (the decoding itself needs a CUDA device:
 bench/gpu_check.py and the H200 runs in bench/RESULTS.md)."""
 
+import errno
 import struct
 
 import numpy as np
@@ -13,6 +14,7 @@ from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_h
 from eagle_states.dataset.step_codecs import (CodecUnavailable, EncodedStep, Fp8AnsPiece, NvcompPiece,
                                               decode_fp8_ans, decode_nvcomp, fp8_ans_encode_step, fp8_encode_step,
                                               frame_fp8, frame_fp8_ans, frame_nvcomp, nvcomp_buffers)
+from helpers import refuse_a_write
 
 FP8 = Codec("fp8-e4m3")
 
@@ -167,3 +169,13 @@ def test_fp8_ans_frames_fp8s_scales_and_errors_before_the_codes_nvcomp_frame():
             decode_fp8_ans(stored, [9, 7], torch.float32)
     with pytest.raises(ValueError, match="buffers of"):
         decode_fp8_ans(stored[:-1], [9, 7], torch.float32)
+
+
+def test_an_fp8_shard_whose_write_fails_midway_raises_it_and_leaves_nothing(tmp_path, monkeypatch):
+    """The step codec's tensors are framed while the ones before are still being written (as a CPU codec's): the
+    disk refusing a piece midway stops the shard with that error and leaves no file."""
+    refuse_a_write(monkeypatch, 4)
+    with pytest.raises(OSError) as refused:
+        write_fp8_shard(tmp_path / "shard.safetensors", captured_like(rows=60), [(0, 20), (20, 45), (45, 60)])
+    assert refused.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
