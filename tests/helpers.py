@@ -54,14 +54,14 @@ def refuse_a_write(monkeypatch, nth: int) -> None:
     """The `nth` write to any file `atomic_file` opens fails as a full disk does (ENOSPC), the others go through:
     what a writer does when the disk fills mid-shard."""
     import errno
+    import itertools
 
     from eagle_states.dataset import files
 
-    calls, original = [], {cls: cls.write for cls in (files.StreamingFile, files.DirectFile)}
+    calls, original = itertools.count(1), {cls: cls.write for cls in (files.StreamingFile, files.DirectFile)}
 
     def write(self, data):
-        calls.append(len(data))
-        if len(calls) == nth:
+        if next(calls) == nth:
             raise OSError(errno.ENOSPC, "No space left on device")
         return original[type(self)](self, data)
 

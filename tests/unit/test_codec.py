@@ -128,7 +128,6 @@ def test_a_compressed_shards_header_room_holds_its_widest_form_and_refuses_a_wid
         out._header(encoded, out.room)
 
 
-
 def test_a_compressed_shard_whose_write_fails_midway_raises_it_and_leaves_nothing(tmp_path, monkeypatch):
     """With a codec the writer encodes the next tensor while the one before is still being written: a write that
     fails behind it (here the disk refusing the third piece) still stops the shard with that error, and no file,
