@@ -4,18 +4,26 @@ against the same bytes written through `atomic_file` as the bench's disk probe w
 runs: what is left between the two is the writer's own cost (#29: on the H200 the capture's writers took 1.26 of
 the disk's 1.92 GB/s on the Llama-8B shape).
 
-    python3 bench/writer_check.py DIR [--hidden 4096] [--samples 8] [--rounds 2]
+Then one shard of a step codec (nvcomp-ans: random bytes at its ratio, framing does not look at them; or
+fp8-e4m3) written as the capture's writer writes one, its samples' states framed one at a time and all four at
+once, side by side: how long the shard of the run's last step takes to reach the disk once its samples are
+captured.
+
+    python3 bench/writer_check.py DIR [--hidden 4096] [--samples 8] [--rounds 2] [--framed nvcomp-ans|fp8-e4m3]
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from disk_check import measure  # noqa: E402  (this script's directory is on the path)
+from framing_gil_check import pieces as framing_pieces  # noqa: E402
 from eagle_states.bench import write_like_a_shard  # noqa: E402
+from eagle_states.dataset.codec import Codec  # noqa: E402
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs  # noqa: E402
 
 TOKENS, STATES = 2048, 4
@@ -32,12 +40,27 @@ def write_shard(path: Path, samples: int, state: torch.Tensor) -> None:
             out.write(name, [state] if dtype == state.dtype else [torch.zeros(shape, dtype=dtype)])
 
 
+def write_framed_shard(path: Path, samples: int, hidden: int, codec: Codec, state: list,
+                       encode_threads: int) -> None:
+    """A shard of `samples` samples of 2,048 tokens, each state `state` (a step codec's pieces), written a sample at
+    a time (`ShardFileWriter.write_many`) with `encode_threads` framing threads."""
+    specs = {}
+    for s in range(samples):
+        specs.update(sample_tensor_specs(f"s{s:03d}", TOKENS, STATES, hidden, torch.bfloat16))
+    with ShardFileWriter(path, specs, codec, encode_threads) as out:
+        for s in range(samples):
+            out.write_many({name: state if dtype == torch.bfloat16 else [torch.zeros(shape, dtype=dtype)]
+                            for name in out.order if name.startswith(f"s{s:03d}/")
+                            for dtype, shape in [specs[name]]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=8, help="samples of 2,048 tokens a shard")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--framed", choices=["nvcomp-ans", "fp8-e4m3"], default="nvcomp-ans")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = torch.randn(TOKENS, args.hidden).to(torch.bfloat16)
@@ -49,6 +72,19 @@ def main() -> None:
             alone = measure(write_like_a_shard, args.dir, threads * nbytes, threads)
             print(f"WRITER {threads} shard(s) at once: ShardFileWriter {writer:.2f} GB/s, the disk alone {alone:.2f} "
                   f"GB/s ({writer / alone:.2f} x)", flush=True)
+    codec, state = Codec(args.framed), framing_pieces(TOKENS, args.hidden)[args.framed]
+    captured = args.samples * TOKENS * args.hidden * 2 * STATES
+    for _ in range(args.rounds):
+        took = {}
+        for threads in (1, STATES):
+            path = args.dir / "framed.safetensors"
+            started = time.perf_counter()
+            write_framed_shard(path, args.samples, args.hidden, codec, state, threads)
+            took[threads] = time.perf_counter() - started
+            path.unlink()
+        print(f"FRAMED one {args.framed} shard of {captured / 1e9:.2f} GB captured: the states framed one at a "
+              f"time {took[1]:.3f} s, a sample's {STATES} at once {took[STATES]:.3f} s ({took[1] / took[STATES]:.2f} "
+              "x)", flush=True)
 
 
 if __name__ == "__main__":

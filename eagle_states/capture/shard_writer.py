@@ -51,7 +51,10 @@ class ShardWriter:
                 for sid in order:
                     specs.update(sample_tensor_specs(sid, plan.num_tokens[sid], self.num_states, like.shape[-1],
                                                      like.dtype))
-                with ShardFileWriter(Path(path), specs, plan.codec) as out:
+                # a step codec's states of a sample framed at once (a copy and a CRC-32 each), so that the run's
+                # last samples reach the file sooner; a CPU codec keeps to its threads (`extract.codec_threads`)
+                framing = self.num_states if plan.codec.on_device else 1
+                with ShardFileWriter(Path(path), specs, plan.codec, encode_threads=framing) as out:
                     for sid in order:
                         sample = first if sid == order[0] else self._take(take, sid)
                         try:
@@ -84,5 +87,4 @@ class ShardWriter:
                    key_loss_mask(sample_id): [torch.tensor(mask, dtype=torch.uint8)]}
         for slot in range(self.num_states):
             tensors[key_hidden_state(sample_id, slot)] = [chunk[slot] for chunk in sample.chunks]
-        for name in sorted(tensors):
-            out.write(name, tensors[name])
+        out.write_many({name: tensors[name] for name in sorted(tensors)})

@@ -10,7 +10,7 @@ import math
 import os
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -63,15 +63,18 @@ class ShardFileWriter:
 
     Uncompressed, the header is made from the tensors' dtypes and shapes alone and written first, and the file is
     hashed as it is written (hashing and writing both release the GIL, so a shard takes as long as the slower of
-    the two). With a codec (`codec.Codec`), each hidden state is compressed in the calling (writer) thread as it
-    arrives (a step codec's was on the device) and written behind the header's reserved room at once; the header,
-    which needs the compressed sizes, goes into its room at the end, and the file is hashed then, from the
-    compressed tensors kept in memory until the shard's end (the digest is of the file in order, header first),
-    while the helper thread still writes the last of them; one tensor is encoded while the one before is written.
+    the two). With a codec (`codec.Codec`), each hidden state is compressed as it arrives (a step codec's was on
+    the device: framed here), up to `encode_threads` of them at once, and written behind the header's reserved
+    room; the header, which needs the compressed sizes, goes into its room at the end, and the file is hashed
+    then, from the compressed tensors kept in memory until the shard's end (the digest is of the file in order,
+    header first), while the helper thread still writes the last of them; tensors are encoded while the ones
+    before are written.
     """
 
-    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec()):
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec(),
+                 encode_threads: int = 1):
         self.path, self.order, self.codec = Path(path), sorted(specs), codec
+        self.encode_threads = encode_threads
         self.specs = specs
         self.nbytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
         self.dtypes = {name: specs[name][0] for name in self.order}
@@ -115,6 +118,8 @@ class ShardFileWriter:
         self._stack = contextlib.ExitStack()
         self._file = self._stack.enter_context(atomic_file(self.path, direct=True))
         self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
+        self._encoders = self._stack.enter_context(
+            ThreadPoolExecutor(max_workers=self.encode_threads, thread_name_prefix="shard-encode"))
         self._writes, self._hasher, self._next = [], shard_hasher(every_core=self.codec.enabled), 0
         self._put(bytes(self.room) if self.codec.enabled else self._header({}))
         return self
@@ -125,10 +130,48 @@ class ShardFileWriter:
             self._hasher.update(data)
 
     def write(self, name: str, pieces: list[torch.Tensor]) -> None:
-        """The next tensor in key order, as pieces to concatenate along dim 0; returns once they are written, or
-        with a codec once they are encoded (the pieces are free then). With a step codec, a hidden state's pieces
-        are the ones it encoded on the device (`step_codecs`)."""
-        expected = self.order[self._next] if self._next < len(self.order) else None
+        """The next tensor in key order (`write_many`)."""
+        self.write_many({name: pieces})
+
+    def write_many(self, tensors: dict[str, list[torch.Tensor]]) -> None:
+        """The next tensors in key order, each as pieces to concatenate along dim 0; returns once they are
+        written, or with a codec once they are encoded (the pieces are free then). With a step codec, a hidden
+        state's pieces are the ones it encoded on the device (`step_codecs`). With a codec, the hidden states are
+        encoded on up to `encode_threads` threads at once (a sample's states: the shard's last sample reaches the
+        file sooner after the run's last step)."""
+        for offset, (name, pieces) in enumerate(tensors.items()):
+            self._check(self._next + offset, name, pieces)
+        # on the encoder threads: torch.cat (a step codec's framing), Blosc2 and zlib's CRC-32 let go of the GIL
+        encoded = {name: self._encoders.submit(self._encode, name, pieces) for name, pieces in tensors.items()
+                   if self.codec.encodes(self.dtypes[name])}
+        try:
+            for name, pieces in tensors.items():
+                if name in encoded:
+                    stored, entry, spent = encoded[name].result()
+                    self._encoded[name] = len(stored), entry
+                    self._kept[name] = [stored]
+                    self._put(stored)
+                    if not self.codec.on_device:
+                        self.encode_s += spent
+                        self.encoded_bytes += self.nbytes[name]
+                else:
+                    data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
+                    if self.codec.enabled:  # token ids, loss masks: small
+                        data = self._kept[name] = [chunk.copy() for chunk in data]
+                    for chunk in data:
+                        self._put(chunk)
+                self._next += 1
+        finally:
+            wait(encoded.values())  # a failed tensor's neighbours still read their pieces
+        # Uncompressed, the caller may reuse the pieces' memory once this returns: wait for them. With a codec,
+        # what was queued is this writer's own copy (compressed, framed or copied, kept for the digest): the next
+        # tensors are encoded while these go to the file, and a failed write surfaces at the next call.
+        while self._writes and (not self.codec.enabled or self._writes[0].done()):
+            self._writes.pop(0).result()
+
+    def _check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
+        """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
+        expected = self.order[index] if index < len(self.order) else None
         if name != expected:
             raise ValueError(f"{self.path.name}: tensor {name} written where {expected} comes next")
         if self.codec.on_device and self.codec.encodes(self.dtypes[name]):
@@ -136,38 +179,23 @@ class ShardFileWriter:
             if rows != self.specs[name][1][0]:
                 raise ValueError(f"{self.path.name}: {name} got {rows} encoded rows, the header says "
                                  f"{self.specs[name][1][0]}")
-            self._keep_encoded(name, *self.codec.frame(pieces))
         else:
-            data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
-            if any(p.dtype != self.dtypes[name] for p in pieces) or sum(d.nbytes for d in data) != self.nbytes[name]:
-                raise ValueError(f"{self.path.name}: {name} got {sum(d.nbytes for d in data)} bytes of "
+            nbytes = sum(p.numel() * p.element_size() for p in pieces)
+            if any(p.dtype != self.dtypes[name] for p in pieces) or nbytes != self.nbytes[name]:
+                raise ValueError(f"{self.path.name}: {name} got {nbytes} bytes of "
                                  f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} "
                                  f"bytes of {self.dtypes[name]}")
-            if self.codec.encodes(self.dtypes[name]):
-                started = time.perf_counter()
-                stored = self.codec.encode(pieces)  # in this (writer) thread: Blosc2 releases the GIL
-                self.encode_s += time.perf_counter() - started
-                self.encoded_bytes += self.nbytes[name]
-                self._keep_encoded(name, stored, {})
-            elif self.codec.enabled:
-                self._kept[name] = [chunk.copy() for chunk in data]  # token ids, loss masks: small
-                for chunk in self._kept[name]:
-                    self._put(chunk)
-            else:
-                for chunk in data:
-                    self._put(chunk)
-        # Uncompressed, the caller may reuse the pieces' memory once `write` returns: wait for them. With a codec,
-        # what was queued is this writer's own copy (compressed, framed or copied, kept for the digest): the next
-        # tensor is encoded while this one goes to the file, and a failed write surfaces at the next call.
-        while self._writes and (not self.codec.enabled or self._writes[0].done()):
-            self._writes.pop(0).result()
-        self._next += 1
 
-    def _keep_encoded(self, name: str, stored: bytes | np.ndarray, extra: dict) -> None:
+    def _encode(self, name: str, pieces: list[torch.Tensor]) -> tuple[bytes | np.ndarray, dict, float]:
+        """A hidden state's stored bytes, its header entry (with the CRC-32) and the time its encoding took."""
         dtype, shape = self.specs[name]
-        self._encoded[name] = len(stored), encoded_entry(DTYPES[dtype][0], shape, stored, extra)
-        self._kept[name] = [stored]
-        self._put(stored)
+        started = time.perf_counter()
+        if self.codec.on_device:
+            stored, extra = self.codec.frame(pieces)
+        else:
+            stored, extra = self.codec.encode(pieces), {}
+        spent = time.perf_counter() - started
+        return stored, encoded_entry(DTYPES[dtype][0], shape, stored, extra), spent
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         failure = None
@@ -202,16 +230,15 @@ class ShardFileWriter:
 
 
 def write_shard_file(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]],
-                     codec: Codec = Codec()) -> tuple[str, int]:
+                     codec: Codec = Codec(), encode_threads: int = 1) -> tuple[str, int]:
     """A whole shard from tensors in memory (a value may be a list of pieces, stored as their concatenation along
-    dim 0). Keys in sorted order with one metadata entry, so the same tensors give the same bytes.
-    Returns (digest, size in bytes)."""
+    dim 0). Keys in sorted order with one metadata entry, so the same tensors give the same bytes, whatever
+    `encode_threads`. Returns (digest, size in bytes)."""
     pieces = {name: t if isinstance(t, list) else [t] for name, t in tensors.items()}
     specs = {name: (p[0].dtype, [sum(x.shape[0] for x in p), *p[0].shape[1:]] if p[0].dim() else [])
              for name, p in pieces.items()}
-    with ShardFileWriter(path, specs, codec) as out:
-        for name in out.order:
-            out.write(name, pieces[name])
+    with ShardFileWriter(path, specs, codec, encode_threads) as out:
+        out.write_many({name: pieces[name] for name in out.order})
     return out.digest, out.size
 
 

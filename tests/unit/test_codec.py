@@ -67,7 +67,9 @@ def test_the_same_tensors_give_the_same_bytes_whatever_the_thread_count(tmp_path
     tensors = sample_tensors(torch.bfloat16)
     one = write_shard_file(tmp_path / "a.safetensors", tensors, Codec("blosc2-zstd", threads=1))
     four = write_shard_file(tmp_path / "b.safetensors", tensors, Codec("blosc2-zstd", threads=4))
-    assert one == four
+    # the states encoded on three threads at once, as the capture's writer encodes a sample's
+    at_once = write_shard_file(tmp_path / "c.safetensors", tensors, Codec("blosc2-zstd"), encode_threads=3)
+    assert one == four == at_once
 
 
 def test_every_flipped_byte_in_a_compressed_tensor_is_caught_when_read(tmp_path):

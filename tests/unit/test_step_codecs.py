@@ -4,11 +4,13 @@ bench/gpu_check.py and the H200 runs in bench/RESULTS.md)."""
 
 import errno
 import struct
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from eagle_states.dataset import step_codecs
 from eagle_states.dataset.codec import FP8_MAX_RELATIVE_ERROR, Codec, CorruptTensorError
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_header, sample_tensor_specs
 from eagle_states.dataset.step_codecs import (CodecUnavailable, EncodedStep, Fp8AnsPiece, NvcompPiece,
@@ -27,27 +29,29 @@ def captured_like(layers=3, rows=40, width=64, dtype=torch.float32):
     return (x * torch.arange(1, layers + 1).view(-1, 1, 1)).to(dtype)
 
 
-def write_fp8_shard(path, stacked, spans, split=True):
-    """One step holding samples' rows (spans), written as the capture's writer does: each sample in two pieces,
-    as chunked prefill gives it, or (`split=False`) in one."""
+def write_fp8_shard(path, stacked, spans, split=True, encode_threads=1):
+    """One step holding samples' rows (spans), written as the capture's writer does: a sample at a time, each
+    state in two pieces, as chunked prefill gives it, or (`split=False`) in one."""
     step = fp8_encode_step(stacked)
     rows = step.host_rows(step.data, FP8.name)
     specs = {}
     for i, (start, stop) in enumerate(spans):
         specs.update(sample_tensor_specs(f"s{i}", stop - start, stacked.shape[0], stacked.shape[2], stacked.dtype))
-    with ShardFileWriter(path, specs, FP8) as out:
-        for name in out.order:
-            sid, field = name.split("/")[0], name.split("/", 1)[1]
-            start, stop = spans[int(sid[1:])]
-            if field == "input_ids":
-                out.write(name, [torch.arange(start, stop, dtype=torch.int32)])
-            elif field == "loss_mask":
-                out.write(name, [torch.ones(stop - start, dtype=torch.uint8)])
-            else:
-                slot = int(field.rsplit("/", 1)[1])
-                middle = (start + stop) // 2
-                out.write(name, [rows[slot][start:middle], rows[slot][middle:stop]] if split
-                          else [rows[slot][start:stop]])
+    with ShardFileWriter(path, specs, FP8, encode_threads) as out:
+        for i, (start, stop) in enumerate(spans):
+            middle = (start + stop) // 2
+            sample = {}
+            for name in [n for n in out.order if n.startswith(f"s{i}/")]:
+                field = name.split("/", 1)[1]
+                if field == "input_ids":
+                    sample[name] = [torch.arange(start, stop, dtype=torch.int32)]
+                elif field == "loss_mask":
+                    sample[name] = [torch.ones(stop - start, dtype=torch.uint8)]
+                else:
+                    slot = int(field.rsplit("/", 1)[1])
+                    sample[name] = ([rows[slot][start:middle], rows[slot][middle:stop]] if split
+                                    else [rows[slot][start:stop]])
+            out.write_many(sample)
     return out
 
 
@@ -171,11 +175,48 @@ def test_fp8_ans_frames_fp8s_scales_and_errors_before_the_codes_nvcomp_frame():
         decode_fp8_ans(stored[:-1], [9, 7], torch.float32)
 
 
-def test_an_fp8_shard_whose_write_fails_midway_raises_it_and_leaves_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("encode_threads", [1, 3])
+def test_an_fp8_shard_whose_write_fails_midway_raises_it_and_leaves_nothing(tmp_path, monkeypatch, encode_threads):
     """The step codec's tensors are framed while the ones before are still being written (as a CPU codec's): the
     disk refusing a piece midway stops the shard with that error and leaves no file."""
     refuse_a_write(monkeypatch, 4)
     with pytest.raises(OSError) as refused:
-        write_fp8_shard(tmp_path / "shard.safetensors", captured_like(rows=60), [(0, 20), (20, 45), (45, 60)])
+        write_fp8_shard(tmp_path / "shard.safetensors", captured_like(rows=60), [(0, 20), (20, 45), (45, 60)],
+                        encode_threads=encode_threads)
     assert refused.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_samples_states_framed_at_once_give_the_bytes_framed_one_by_one(tmp_path):
+    stacked, spans = captured_like(rows=60), [(0, 20), (20, 45), (45, 60)]
+    one = write_fp8_shard(tmp_path / "one.safetensors", stacked, spans)
+    at_once = write_fp8_shard(tmp_path / "at_once.safetensors", stacked, spans, encode_threads=3)
+    assert (at_once.digest, at_once.size) == (one.digest, one.size)
+
+
+def test_a_failed_frame_returns_only_once_the_samples_other_frames_are_done(tmp_path, monkeypatch):
+    """The caller gives a sample's pinned blocks back as soon as `write_many` returns or raises: a state whose
+    framing fails must not leave its neighbours still reading them."""
+    real, calls, finished = step_codecs.FRAMES[FP8.name], [], []
+
+    def frame(pieces):
+        calls.append(pieces)
+        if len(calls) == 1:
+            raise ValueError("refused")
+        time.sleep(0.3)
+        finished.append(pieces)
+        return real(pieces)
+
+    monkeypatch.setitem(step_codecs.FRAMES, FP8.name, frame)
+    step = fp8_encode_step(captured_like(rows=20))
+    rows = step.host_rows(step.data, FP8.name)
+    specs = sample_tensor_specs("s0", 20, 3, 64, torch.float32)
+    with pytest.raises(ValueError, match="tensors were not written"):
+        with ShardFileWriter(tmp_path / "shard.safetensors", specs, FP8, encode_threads=3) as out:
+            sample = {"s0/input_ids": [torch.arange(20, dtype=torch.int32)],
+                      "s0/loss_mask": [torch.ones(20, dtype=torch.uint8)]}
+            sample.update({f"s0/hidden_states/{slot}": [rows[slot][0:20]] for slot in range(3)})
+            with pytest.raises(ValueError, match="refused"):
+                out.write_many({name: sample[name] for name in out.order})
+            assert len(calls) == 3 and len(finished) == 2
     assert list(tmp_path.iterdir()) == []
