@@ -25,9 +25,14 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
     done ;;
   codecs)  # the step codecs alone: a step encoded, written, read back (bench/gpu_codec_check.py)
     python3 bench/gpu_codec_check.py 2>&1 | tee "$OUT/gpu_codec_check.txt" | tail -5 ;;
-  writer)  # the shard writer against the disk alone, nothing of the capture running (bench/writer_check.py)
+  writer)  # the shard writer against the disk alone, nothing of the capture running (bench/writer_check.py); then
+           # into /dev/shm, where the disk does not hide it, a step codec's shard framed a state or a sample at a time
     python3 bench/writer_check.py /tmp/writer-check --samples 16 2>&1 | tee "$OUT/writer_check.txt"
-    rm -rf /tmp/writer-check ;;
+    for codec in nvcomp-ans fp8-e4m3; do
+      python3 bench/writer_check.py /dev/shm/writer-check --samples 16 --rounds 3 --framed $codec 2>&1 \
+          | tee "$OUT/writer_check_shm_$codec.txt" | grep FRAMED
+    done
+    rm -rf /tmp/writer-check /dev/shm/writer-check ;;
   disk)  # /dev/shm written buffered, as shards are now, and through O_DIRECT, as they were
     python3 bench/disk_check.py /dev/shm/disk-check 4 2>&1 | tee "$OUT/disk_check_shm.txt"; rm -rf /dev/shm/disk-check ;;
   dsv3-disk)
