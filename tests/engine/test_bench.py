@@ -24,7 +24,7 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
                  "ratio capture/plain", "up to the last forward pass", "GB/s written", "bytes/token on disk",
                  "GB/s per writer thread", "disk alone", "forward stalled", "after the last forward",
                  "device time in forward passes", "idle between them", "host RSS of this process and the engine's",
-                 "engine start"):
+                 "engine start", "allows at most"):
         assert line in printed or line.replace(" GB/s", "") in printed, line
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["tokens_per_round"] == 6 * 40 and len(result["rounds"]) == 2
@@ -56,6 +56,10 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
         assert plain["encoded_bytes"] == 0 and packed["encoded_bytes"] == 240 * result["bytes_per_token"]
         assert packed["encode_s"] > 0 and packed["bytes_per_token_stored"] == packed["bytes_written"] / 240
     assert result["captures"]["blosc2-zstd"]["compression_ratio"] > 1
+    # the disk's bound on each codec: the disk's bytes a second over the bytes a token at plain prefill's pace
+    for c in result["captures"].values():
+        assert c["disk_bound_ratio"] == pytest.approx(
+            result["disk_write_gb_s"] * 1e9 / (result["plain_tok_s_median"] * c["bytes_per_token_stored_median"]))
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert result["peak_tree_rss_gb"] >= result["loaded_tree_rss_gb"] > 0 and result["host_buffer_gb"] == 8
     assert not (out / "dataset").exists()  # each round's dataset is removed
