@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
+#   [ROUNDS=N] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -37,13 +37,13 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
     python3 bench/disk_check.py /dev/shm/disk-check 4 2>&1 | tee "$OUT/disk_check_shm.txt"; rm -rf /dev/shm/disk-check ;;
   dsv3-disk)
     make_dsv3
-    bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds 2 --codecs ${2:-none,nvcomp-ans,fp8-e4m3} ;;
+    bench dsv3-disk --model /dev/shm/dsv3 --out /tmp/bench $DSV3 --rounds ${ROUNDS:-2} --codecs ${2:-none,nvcomp-ans,fp8-e4m3} ;;
   gil)  # does nvCOMP's host API stop the forward thread's kernel launches while it waits? (bench/RESULTS.md)
     python3 bench/nvcomp_gil_check.py 2>&1 | tee "$OUT/nvcomp_gil_check.txt"
     python3 bench/framing_gil_check.py 2>&1 | tee "$OUT/framing_gil_check.txt" ;;
   dsv3-shm)
     make_dsv3
-    bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds 2 \
+    bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds ${ROUNDS:-2} \
         --codecs ${2:-none} ;;
   rss)  # the same tokens per round (393,216) in samples of 4K, 16K and 64K tokens (${2:-all three}); the demo
         # model says 8,192 positions: a copy saying 131,072 (random weights: RoPE runs at any position)
@@ -59,7 +59,7 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
     done ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
-    bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds 2 \
+    bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds ${ROUNDS:-2} \
         --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768 --write-threads 8 \
         --gpu-memory-utilization 0.85 --disk-probe-gb 8 --codecs ${2:-none,nvcomp-ans} ;;
 esac
