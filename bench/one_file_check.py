@@ -1,7 +1,9 @@
 """One file written by several threads at once, at their own offsets: does a shard into tmpfs (one file, 0.94 GB at
 the DeepSeek-V3 width) go faster written a sample's states at once than one state after another? Separate files
 scale (bench/disk_check.py: 4 files into /dev/shm 3-4 x one on the H200 host); one file may not (the kernel's
-per-file write lock). Pieces of 29 MB, a state of a 2,048-token sample at hidden 7168 in bf16.
+per-file write lock). Through `pwrite`, the file's size allocated first or not, and copied into a shared mapping of
+it (a mapping is written without the lock). Pieces of 29 MB, a state of a 2,048-token sample at hidden 7168 in
+bf16.
 
     python3 bench/one_file_check.py DIR [GiB, default 1] [rounds, default 5]
 """
@@ -51,6 +53,12 @@ def at_once(path: Path, total: int, piece: memoryview, threads: int, allocate_fi
         path.unlink()
 
 
+def copy_pieces(dest, src, offsets: list[int]) -> None:
+    for offset in offsets:
+        n = min(len(src), len(dest) - offset)
+        dest[offset:offset + n] = src[:n]
+
+
 def mapped(path: Path, total: int, piece: memoryview, threads: int, allocate_first: bool, populate: bool) -> float:
     """Seconds for the whole file copied into a shared mapping of it by `threads` threads (no write call, so no
     per-file write lock; numpy's copy releases the GIL); its pages allocated first, and mapped at once."""
@@ -65,19 +73,14 @@ def mapped(path: Path, total: int, piece: memoryview, threads: int, allocate_fir
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         with mmap.mmap(fd, total, flags=flags) as m:
             dest, src = np.frombuffer(m, np.uint8), np.frombuffer(piece, np.uint8)
-
-            def copy(offsets):
-                for offset in offsets:
-                    n = min(len(src), total - offset)
-                    dest[offset:offset + n] = src[:n]
-
             offsets = list(range(0, total, len(piece)))
-            workers = [threading.Thread(target=copy, args=(offsets[i::threads],)) for i in range(threads)]
+            workers = [threading.Thread(target=copy_pieces, args=(dest, src, offsets[i::threads]))
+                       for i in range(threads)]
             for w in workers:
                 w.start()
             for w in workers:
                 w.join()
-            del dest
+            del dest  # the mapping closes only once nothing views it
         return time.perf_counter() - started
     finally:
         os.close(fd)
