@@ -12,6 +12,6 @@ export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PAT
 OUT=${OUT:-/tmp/out}
 COMMON="--layer-ids 1,2,3,4 --max-num-batched-tokens 16384 --max-num-seqs 64 --shard-max-tokens 32768
         --write-threads 8 --gpu-memory-utilization 0.8"
-DSV3="$COMMON --disk-probe-gb 8 --prompts 192 --prompt-len 2048"
+DSV3="$COMMON --disk-probe-gb 8 --prompts ${PROMPTS:-192} --prompt-len 2048"
 make_dsv3() { [ -d /dev/shm/dsv3 ] || python3 -m eagle_states make-demo-model /dev/shm/dsv3 --arch deepseek-v3-real \
     --layers 4 --device cuda >/dev/null; }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   [ROUNDS=N] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
+#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
