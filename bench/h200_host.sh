@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
+#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -45,7 +45,7 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
     make_dsv3
     bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds ${ROUNDS:-2} \
         --codecs ${2:-none} ;;
-  rss)  # the same tokens per round (393,216) in samples of 4K, 16K and 64K tokens (${2:-all three}); the demo
+  rss)  # the same tokens per round (393,216) in samples of 4K, 16K and 64K tokens (${2:-all three}), CODECS=... (none); the demo
         # model says 8,192 positions: a copy saying 131,072 (random weights: RoPE runs at any position)
     make_dsv3
     if [ ! -d /dev/shm/dsv3-long ]; then
@@ -55,7 +55,7 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
     fi
     for spec in ${2:-96:4096 24:16384 6:65536}; do
       bench "rss-${spec#*:}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 \
-          --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs none
+          --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs ${CODECS:-none}
     done ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null

@@ -94,7 +94,8 @@ class ExtractParams(_Section):
     write_threads: int = Field(4, ge=1, description="shard writer threads (4 kept the H200 disk busiest)")
     host_buffer_gb: float = Field(8.0, gt=0, description="pinned host memory (GiB) for captured steps on their way "
                                   "to the shard writers: the capture's host memory, whatever the samples' length; a "
-                                  "sample whose states cannot fit is refused before the model loads")
+                                  "sample whose states cannot fit is refused before the model loads. With a codec, "
+                                  "the compressed tensors kept until their shard's end take up to as much again")
     codec: Literal[CODEC_NAMES] = Field(
         "none", description="how the hidden states are stored: none; blosc2-zstd, blosc2-lz4 (lossless, on the "
                             "host: byte shuffle, then zstd or lz4); nvcomp-ans (lossless, on the GPU before the copy; "

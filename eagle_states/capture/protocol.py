@@ -41,7 +41,7 @@ class Setup(Message):
     num_layers: int
     hidden_size: int
     write_threads: int
-    host_buffer_bytes: int  # the pinned pool's budget (CUDA)
+    host_buffer_bytes: int  # the pinned pool's budget (CUDA), and the kept compressed tensors' (`kept_bytes`)
 
 
 class BeginShard(Message):

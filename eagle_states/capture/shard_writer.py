@@ -13,6 +13,7 @@ import torch
 
 from eagle_states.capture.handoff import CapturedSample, ShardPlan
 from eagle_states.capture.protocol import CaptureError
+from eagle_states.dataset.kept_bytes import KeptBytes, ShardRoom
 from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
 
@@ -22,12 +23,13 @@ if TYPE_CHECKING:
 
 class ShardWriter:
     """Streams each sample from host memory to disk as soon as it is complete, and hands its pinned blocks back.
-    Host memory is bounded by the pinned pool (CUDA) and by the number of shards held for writing
-    (`write_threads + 1`)."""
+    Host memory is bounded by the pinned pool (CUDA) and, with a codec, by `kept_limit` bytes of compressed tensors
+    kept until their shard's end (`kept_bytes`; the oldest shard in flight may pass it by its own bytes)."""
 
-    def __init__(self, num_states: int, write_threads: int, pinned: PinnedPool):
+    def __init__(self, num_states: int, write_threads: int, pinned: PinnedPool, kept_limit: int):
         self.num_states = num_states  # captured layers: a hidden state per layer and sample
         self.pinned = pinned
+        self.kept = KeptBytes(kept_limit)
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
         self.lock = threading.Lock()
@@ -39,9 +41,10 @@ class ShardWriter:
         """Start writing a shard whose samples `take` hands over as they are complete; waits (the assembler) while
         `write_threads + 1` shards are held for writing. The future gives the file's (digest, bytes)."""
         self.write_slots.acquire()
-        return self.pool.submit(self._write_shard, path, plan, take)
+        return self.pool.submit(self._write_shard, path, plan, take, self.kept.shard())  # rooms in capture order
 
-    def _write_shard(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample]) -> tuple[str, int]:
+    def _write_shard(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample],
+                     room: ShardRoom) -> tuple[str, int]:
         try:
             order = shard_sample_order(plan.sample_ids)
             first = self._take(take, order[0])
@@ -54,7 +57,7 @@ class ShardWriter:
                 # a step codec's states of a sample framed at once (a copy and a CRC-32 each), so that the run's
                 # last samples reach the file sooner; a CPU codec keeps to its threads (`extract.codec_threads`)
                 framing = self.num_states if plan.codec.on_device else 1
-                with ShardFileWriter(Path(path), specs, plan.codec, encode_threads=framing) as out:
+                with ShardFileWriter(Path(path), specs, plan.codec, encode_threads=framing, kept=room) as out:
                     for sid in order:
                         sample = first if sid == order[0] else self._take(take, sid)
                         try:
@@ -73,6 +76,7 @@ class ShardWriter:
                 raise OSError(exc.errno, exc.strerror, path) from exc
             raise
         finally:
+            room.close()
             self.write_slots.release()
 
     def _take(self, take: Callable[[str], CapturedSample], sample_id: str) -> CapturedSample:

@@ -34,7 +34,8 @@ class _Capture:
         self.writer, self.rank, self.world_size = writer, rank, world_size
         self.work: queue.Queue = queue.Queue()  # steps and shard markers, in order, for the assembler
         self.forward = ForwardCapture(runner, setup, writer, deliver=self.work.put)
-        self.shards = ShardWriter(len(setup.layer_ids), setup.write_threads, self.forward.pinned) if writer else None
+        self.shards = (ShardWriter(len(setup.layer_ids), setup.write_threads, self.forward.pinned,
+                                   kept_limit=setup.host_buffer_bytes) if writer else None)
         self.assembler = Assembler(self.work, self.shards, self.forward.pinned)
 
     def _raise_failure(self):

@@ -19,6 +19,7 @@ import torch
 from eagle_states.dataset.codec import (LOSSY_ENTRY_EXTRAS, Codec, CorruptTensorError, decode, encoded_entry,
                                         header_metadata, read_header_metadata)
 from eagle_states.dataset.files import atomic_file, check_regular, open_regular, shard_hasher
+from eagle_states.dataset.kept_bytes import ShardRoom
 from eagle_states.dataset.layout import FORMAT_NAME, FORMAT_VERSION, key_hidden_state, key_input_ids, key_loss_mask
 
 # torch dtype -> (safetensors code, the manifest's name)
@@ -68,13 +69,14 @@ class ShardFileWriter:
     room; the header, which needs the compressed sizes, goes into its room at the end, and the file is hashed
     then, from the compressed tensors kept in memory until the shard's end (the digest is of the file in order,
     header first), while the helper thread still writes the last of them; tensors are encoded while the ones
-    before are written.
+    before are written. Those kept tensors are counted in `kept` (`kept_bytes`), which may make `write_many` wait.
     """
 
     def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec(),
-                 encode_threads: int = 1):
+                 encode_threads: int = 1, kept: ShardRoom | None = None):
         self.path, self.order, self.codec = Path(path), sorted(specs), codec
         self.encode_threads = encode_threads
+        self.kept = kept  # where the kept compressed tensors are counted (`kept_bytes`); None: unbounded
         self.specs = specs
         self.nbytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
         self.dtypes = {name: specs[name][0] for name in self.order}
@@ -141,13 +143,17 @@ class ShardFileWriter:
         file sooner after the run's last step)."""
         for offset, (name, pieces) in enumerate(tensors.items()):
             self._check(self._next + offset, name, pieces)
+        encodable = [name for name in tensors if self.codec.encodes(self.dtypes[name])]
+        if self.kept is not None and encodable:  # room for what is kept, taken at the captured size (a bound)
+            self.kept.take(sum(self.nbytes[name] for name in encodable))
         # on the encoder threads: torch.cat (a step codec's framing), Blosc2 and zlib's CRC-32 let go of the GIL
-        encoded = {name: self._encoders.submit(self._encode, name, pieces) for name, pieces in tensors.items()
-                   if self.codec.encodes(self.dtypes[name])}
+        encoded = {name: self._encoders.submit(self._encode, name, tensors[name]) for name in encodable}
         try:
             for name, pieces in tensors.items():
                 if name in encoded:
                     stored, entry, spent = encoded[name].result()
+                    if self.kept is not None:
+                        self.kept.give_back(self.nbytes[name] - len(stored))
                     self._encoded[name] = len(stored), entry
                     self._kept[name] = [stored]
                     self._put(stored)

@@ -4,6 +4,7 @@ bench/gpu_check.py and the H200 runs in bench/RESULTS.md)."""
 
 import errno
 import struct
+import threading
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from eagle_states.dataset import step_codecs
 from eagle_states.dataset.codec import FP8_MAX_RELATIVE_ERROR, Codec, CorruptTensorError
+from eagle_states.dataset.kept_bytes import KeptBytes
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_header, sample_tensor_specs
 from eagle_states.dataset.step_codecs import (CodecUnavailable, EncodedStep, Fp8AnsPiece, NvcompPiece,
                                               decode_fp8_ans, decode_nvcomp, fp8_ans_encode_step, fp8_encode_step,
@@ -29,15 +31,16 @@ def captured_like(layers=3, rows=40, width=64, dtype=torch.float32):
     return (x * torch.arange(1, layers + 1).view(-1, 1, 1)).to(dtype)
 
 
-def write_fp8_shard(path, stacked, spans, split=True, encode_threads=1):
+def write_fp8_shard(path, stacked, spans, split=True, encode_threads=1, room=None):
     """One step holding samples' rows (spans), written as the capture's writer does: a sample at a time, each
-    state in two pieces, as chunked prefill gives it, or (`split=False`) in one."""
+    state in two pieces, as chunked prefill gives it, or (`split=False`) in one; its kept tensors counted in `room`
+    (`kept_bytes`)."""
     step = fp8_encode_step(stacked)
     rows = step.host_rows(step.data, FP8.name)
     specs = {}
     for i, (start, stop) in enumerate(spans):
         specs.update(sample_tensor_specs(f"s{i}", stop - start, stacked.shape[0], stacked.shape[2], stacked.dtype))
-    with ShardFileWriter(path, specs, FP8, encode_threads) as out:
+    with ShardFileWriter(path, specs, FP8, encode_threads, kept=room) as out:
         for i, (start, stop) in enumerate(spans):
             middle = (start + stop) // 2
             sample = {}
@@ -192,6 +195,47 @@ def test_a_samples_states_framed_at_once_give_the_bytes_framed_one_by_one(tmp_pa
     one = write_fp8_shard(tmp_path / "one.safetensors", stacked, spans)
     at_once = write_fp8_shard(tmp_path / "at_once.safetensors", stacked, spans, encode_threads=3)
     assert (at_once.digest, at_once.size) == (one.digest, one.size)
+
+
+def test_the_kept_tensors_are_counted_at_their_stored_size_and_the_bytes_do_not_change(tmp_path):
+    stacked, spans = captured_like(rows=60), [(0, 20), (20, 45), (45, 60)]
+    free = write_fp8_shard(tmp_path / "free.safetensors", stacked, spans)
+    kept = KeptBytes(1 << 30)
+    room = kept.shard()
+    counted = write_fp8_shard(tmp_path / "counted.safetensors", stacked, spans, encode_threads=3, room=room)
+    header = read_header(tmp_path / "counted.safetensors")
+    stored = sum(entry["shape"][0] for name, entry in header.items() if "/hidden_states/" in name)
+    assert (counted.digest, counted.size) == (free.digest, free.size)
+    assert room.held == kept.used == stored > 0
+    room.close()
+    assert kept.used == 0
+
+
+def test_shards_past_the_limit_are_written_oldest_first_and_all_of_them_finish(tmp_path):
+    """With room for less than a shard, each shard waits for the ones before it to close: started youngest first,
+    they still end oldest first, and every one is written as it would be alone."""
+    stacked, spans = captured_like(rows=60), [(0, 20), (20, 45), (45, 60)]
+    alone = write_fp8_shard(tmp_path / "alone.safetensors", stacked, spans)
+    kept, ended, failures = KeptBytes(1), [], []
+    rooms = [kept.shard() for _ in range(3)]  # capture order: shard 0 is the oldest
+
+    def write(i):
+        try:
+            out = write_fp8_shard(tmp_path / f"{i}.safetensors", stacked, spans, room=rooms[i])
+            ended.append((i, out.digest))
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            rooms[i].close()
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in (2, 1, 0)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)  # the younger ones are waiting before the oldest begins
+    for thread in threads:
+        thread.join(30)
+    assert not failures and ended == [(i, alone.digest) for i in range(3)]
+    assert kept.used == 0
 
 
 def test_a_failed_frame_returns_only_once_the_samples_other_frames_are_done(tmp_path, monkeypatch):
