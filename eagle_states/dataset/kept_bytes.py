@@ -14,7 +14,24 @@ hold the pinned blocks. So host memory for kept tensors is at most the limit plu
 
 from __future__ import annotations
 
+import ctypes
 import threading
+
+M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Have the C library give blocks of `threshold` bytes and more back to the system once freed (each is its own
+    mapping). glibc by default raises that threshold to the largest block freed so far (up to 32 MiB); after that a
+    codec's stored tensors (megabytes each, made and freed on every writer thread) come from its per-thread heaps,
+    which keep what was freed, and the limit here would bound the tensors kept but not the process's memory (on the
+    H200, nvcomp-ans at the DeepSeek-V3 width: peak RSS 15.8 GB above the loaded engine, 9.1 GB with this).
+    Setting the threshold also turns that adjustment off. Process-wide; False where there is no glibc `mallopt`."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
 class KeptBytes:

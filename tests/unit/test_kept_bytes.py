@@ -1,9 +1,31 @@
 """The limit on compressed tensors kept until their shard's end (`dataset.kept_bytes`): younger shards wait for
 room, the oldest never does, and room comes back when a shard closes."""
 
+import subprocess
+import sys
 import threading
 
 from eagle_states.dataset.kept_bytes import KeptBytes
+
+# Four writer-like threads make stored tensors of 2-14 MiB, keep the last six, free the oldest; then all of it is
+# freed. The memory the process still holds afterwards is what the C library kept.
+CHURN = """
+import sys, threading, psutil, torch
+from eagle_states.dataset.kept_bytes import return_freed_memory
+if sys.argv[1] == "returned":
+    assert return_freed_memory()
+def churn(seed):
+    kept = []
+    for i in range(300):
+        kept.append(torch.empty((2 + (i * 7 + seed) % 13) << 20, dtype=torch.uint8).fill_(1))
+        if len(kept) > 6:
+            kept.pop(0)
+before = psutil.Process().memory_info().rss
+threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print((psutil.Process().memory_info().rss - before) >> 20)
+"""
 
 
 def taken_in_a_thread(room, nbytes):
@@ -71,3 +93,13 @@ def test_the_captures_shard_writers_past_their_limit_write_the_same_shards_and_g
         return written
 
     assert write(1) == write(1 << 30)
+
+
+def test_freed_stored_tensors_go_back_to_the_system():
+    def held_after(mode: str) -> int:  # MiB, in a fresh process: the setting is process-wide
+        done = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, check=True)
+        return int(done.stdout)
+
+    returned, default = held_after("returned"), held_after("default")
+    assert returned < 32, returned
+    assert default > 128, f"glibc kept {default} MiB by default: the control no longer shows what this fixes"
