@@ -13,7 +13,7 @@ import torch
 
 from eagle_states.capture.handoff import CapturedSample, ShardPlan
 from eagle_states.capture.protocol import CaptureError
-from eagle_states.dataset.kept_bytes import KeptBytes, ShardRoom, return_freed_memory
+from eagle_states.dataset.kept_bytes import KeptBytes, ShardRoom
 from eagle_states.dataset.layout import key_hidden_state, key_input_ids, key_loss_mask, shard_sample_order
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
 
@@ -30,7 +30,6 @@ class ShardWriter:
         self.num_states = num_states  # captured layers: a hidden state per layer and sample
         self.pinned = pinned
         self.kept = KeptBytes(kept_limit)
-        return_freed_memory()  # else the kept tensors' memory stays with the process once freed
         self.pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="eagle-writer")
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
         self.lock = threading.Lock()

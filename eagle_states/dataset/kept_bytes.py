@@ -26,7 +26,8 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
     codec's stored tensors (megabytes each, made and freed on every writer thread) come from its per-thread heaps,
     which keep what was freed, and the limit here would bound the tensors kept but not the process's memory (on the
     H200, nvcomp-ans at the DeepSeek-V3 width: peak RSS 15.8 GB above the loaded engine, 9.1 GB with this).
-    Setting the threshold also turns that adjustment off. Process-wide; False where there is no glibc `mallopt`."""
+    Setting the threshold also turns that adjustment off. Process-wide, so for a process whose large host blocks
+    are these (the CUDA capture's); False where there is no glibc `mallopt`."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
