@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from eagle_states.dataset.files import libc_function
+
 M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
 
@@ -28,11 +30,8 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
     H200, nvcomp-ans at the DeepSeek-V3 width: peak RSS 15.8 GB above the loaded engine, 9.1 GB with this).
     Setting the threshold also turns that adjustment off. Process-wide, so for a process whose large host blocks
     are these (the CUDA capture's); False where there is no glibc `mallopt`."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    mallopt = libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
 class KeptBytes:
