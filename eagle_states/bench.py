@@ -315,6 +315,11 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         # the most any capture storing these bytes a token could reach against plain prefill with this disk (a
         # run of hours, the drain spread out): past it, the disk is the bound and not the capture
         c["disk_bound_ratio"] = disk * 1e9 / (plain_tok_s * c["bytes_per_token_stored_median"])
+    # what a CUDA capture may hold above the loaded engine (its pinned pool reserved by then): with a codec, the
+    # stored tensors kept until their shard's end, up to extract.host_buffer_gb, and the oldest shard's beyond it
+    # (`dataset.kept_bytes`); None when no codec keeps anything
+    kept = [c["bytes_per_token_stored_median"] for codec, c in captures.items() if codec != "none"]
+    kept_bound_gb = (e.host_buffer_gb * 2**30 + e.shard_max_tokens * max(kept)) / 1e9 if kept else None
     rss.stop()
     return {
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
@@ -331,7 +336,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "loaded_tree_rss_gb": loaded_rss / 1e9, "peak_tree_rss_gb": rss.peak / 1e9,
-        "host_buffer_gb": e.host_buffer_gb,
+        "host_buffer_gb": e.host_buffer_gb, "kept_bound_gb": kept_bound_gb,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
     }
 
@@ -375,6 +380,12 @@ def format_result(result: dict) -> str:
         f"peak {result['peak_tree_rss_gb']:.1f} GB (extract.host_buffer_gb {result['host_buffer_gb']:g}); "
         f"this process alone: peak {result['peak_host_rss_gb']:.1f} GB"
         + (f", peak GPU reserved {result['peak_gpu_reserved_gb']:.1f} GB" if result['peak_gpu_reserved_gb'] else ""),
-        f"engine start {result['engine_start_s']:.1f} s",
     ]
+    if result.get("kept_bound_gb"):
+        lines.append(
+            f"  above the loaded engine: {result['peak_tree_rss_gb'] - result['loaded_tree_rss_gb']:.1f} GB at the "
+            f"peak; with a codec a CUDA capture keeps at most {result['kept_bound_gb']:.1f} GB there (the compressed "
+            f"tensors up to extract.host_buffer_gb, and the oldest shard's {result['shard_max_tokens']:,} tokens "
+            f"beyond it)")
+    lines.append(f"engine start {result['engine_start_s']:.1f} s")
     return "\n".join(lines)
