@@ -20,6 +20,7 @@ from pathlib import Path
 
 from eagle_states.capture.engine import EngineHolder
 from eagle_states.config import PipelineParams
+from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import atomic_file, libc_function
 from eagle_states.dataset.layout import shard_path
 from eagle_states.dataset.prepared import write_samples
@@ -318,7 +319,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     # what a CUDA capture may hold above the loaded engine (its pinned pool reserved by then): with a codec, the
     # stored tensors kept until their shard's end, up to extract.host_buffer_gb, and the oldest shard's beyond it
     # (`dataset.kept_bytes`); None when no codec keeps anything
-    kept = [c["bytes_per_token_stored_median"] for codec, c in captures.items() if codec != "none"]
+    kept = [c["bytes_per_token_stored_median"] for codec, c in captures.items() if Codec(codec).enabled]
     kept_bound_gb = (e.host_buffer_gb * 2**30 + e.shard_max_tokens * max(kept)) / 1e9 if kept else None
     rss.stop()
     return {

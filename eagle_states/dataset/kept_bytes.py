@@ -4,8 +4,8 @@ A compressed shard's digest is of the file in order, header first, and the heade
 size: so a writer keeps the shard's stored tensors until its end (`ShardFileWriter`). Without a bound, that is up to
 `write_threads + 1` shards at once, each as large as its longest sample: host memory growing with sample length
 times shards in flight. Here the writers of a capture share one limit: a shard's writer takes room for a sample's
-states before encoding them, and waits while the room is taken by others (back-pressure: its samples hold the pinned blocks,
-so the forward passes wait in turn).
+states before encoding them, and waits while the room is taken by others (back-pressure: its samples hold the
+pinned blocks, so the forward passes wait in turn).
 
 The oldest shard in flight never waits. Its samples are complete first (a step holds rows of one shard, shards run
 in order), so it can always finish, and waiting on it could stop the capture: the younger shards' samples would
