@@ -318,16 +318,19 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         c["disk_bound_ratio"] = disk * 1e9 / (plain_tok_s * c["bytes_per_token_stored_median"])
     # what a CUDA capture may hold above the loaded engine (its pinned pool reserved by then): with a codec, the
     # stored tensors kept until their shard's end, up to extract.host_buffer_gb, and the oldest shard's beyond it
-    # (`dataset.kept_bytes`); None when no codec keeps anything
+    # (`dataset.kept_bytes`), the largest planned: a sample longer than shard_max_tokens is a shard of its own;
+    # None when no codec keeps anything
     kept = [c["bytes_per_token_stored_median"] for codec, c in captures.items() if Codec(codec).enabled]
-    kept_bound_gb = (e.host_buffer_gb * 2**30 + e.shard_max_tokens * max(kept)) / 1e9 if kept else None
+    largest_shard_tokens = max(sum(len(s.input_ids) for s in shard.samples) for shard in extraction.shards)
+    kept_bound_gb = (e.host_buffer_gb * 2**30 + largest_shard_tokens * max(kept)) / 1e9 if kept else None
     rss.stop()
     return {
         "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
         "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype,
         "hidden_size": extraction.model["hidden_size"], "bytes_per_token": raw_bytes_per_token,
         "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
-        "shard_max_tokens": e.shard_max_tokens, "write_threads": e.write_threads,
+        "shard_max_tokens": e.shard_max_tokens, "largest_shard_tokens": largest_shard_tokens,
+        "write_threads": e.write_threads,
         "codec_level": e.codec_level, "codec_threads": e.codec_threads, "free_written": free_written,
         "rounds": rounds_out, "codecs": codecs,
         "plain_tok_s_median": plain_tok_s,
@@ -386,7 +389,7 @@ def format_result(result: dict) -> str:
         lines.append(
             f"  above the loaded engine: {result['peak_tree_rss_gb'] - result['loaded_tree_rss_gb']:.1f} GB at the "
             f"peak; with a codec a CUDA capture keeps at most {result['kept_bound_gb']:.1f} GB there (the compressed "
-            f"tensors up to extract.host_buffer_gb, and the oldest shard's {result['shard_max_tokens']:,} tokens "
+            f"tensors up to extract.host_buffer_gb, and the oldest shard's {result['largest_shard_tokens']:,} tokens "
             f"beyond it)")
     lines.append(f"engine start {result['engine_start_s']:.1f} s")
     return "\n".join(lines)

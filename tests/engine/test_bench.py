@@ -62,9 +62,11 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
             result["disk_write_gb_s"] * 1e9 / (result["plain_tok_s_median"] * c["bytes_per_token_stored_median"]))
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert result["peak_tree_rss_gb"] >= result["loaded_tree_rss_gb"] > 0 and result["host_buffer_gb"] == 8
-    # a codec's kept tensors: the setting, and the oldest shard (100 tokens) at the largest bytes a token stored
+    # a codec's kept tensors: the setting, and the oldest shard at the largest bytes a token stored: the largest
+    # planned, 2 samples of 40 tokens (not shard_max_tokens, 100: a longer sample would be a shard of its own)
+    assert result["largest_shard_tokens"] == 80
     assert result["kept_bound_gb"] == pytest.approx(
-        (8 * 2**30 + 100 * result["captures"]["blosc2-zstd"]["bytes_per_token_stored_median"]) / 1e9)
+        (8 * 2**30 + 80 * result["captures"]["blosc2-zstd"]["bytes_per_token_stored_median"]) / 1e9)
     assert "above the loaded engine" in printed
     assert not (out / "dataset").exists()  # each round's dataset is removed
     assert result["free_written"] is True
