@@ -283,7 +283,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                 print(f"  capture {codec}: {c['capture_tok_s']:,.0f} tok/s | ratio {c['ratio']:.3f} | "
                       f"{c['write_gb_s']:.2f} GB/s written, {c['bytes_per_token_stored']:,.0f} bytes/token | input "
                       f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
-                      f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in host buffers, the last sample at its "
+                      f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in pinned host buffers, the last sample at its "
                       f"writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
                       f"{c['drain_writes_s']:.2f} s, recorded after {c['drain_recorded_s']:.2f} s) | steps "
                       f"{row['plain_forwards']} / {c['capture_forwards']}, "
@@ -369,7 +369,9 @@ def format_result(result: dict) -> str:
             f"index, manifest) {c['drain_s_median']:.2f} s: the last sample at its writer after "
             f"{c['drain_assembled_s_median']:.2f} s, the last shard written after {c['drain_writes_s_median']:.2f} s "
             f"and recorded by the driver after {c['drain_recorded_s_median']:.2f} s (then the index and the manifest), "
-            f"with {c['drain_backlog_gb_median']:.2f} GB still in host buffers when the last step was handed over",
+            f"with {c['drain_backlog_gb_median']:.2f} GB still in pinned host buffers when the last step was handed "
+            f"over" + (" (a codec's stored tensors still queued for the disk are not counted)" if Codec(codec).enabled
+                       else ""),
             f"  device time in forward passes {c['capture_forward_s_median']:.2f} s, idle between them "
             f"{c['capture_between_forwards_s_median']:.2f} s",
             f"  written {c['write_gb_s_median']:.2f} GB/s, {c['bytes_per_token_stored_median']:,.0f} bytes/token on "
