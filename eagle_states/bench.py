@@ -16,6 +16,7 @@ import resource
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagle_states.capture.engine import EngineHolder
@@ -155,80 +156,96 @@ def write_prompts(directory: Path, prompts: list[list[int]]) -> None:
                               for i, p in enumerate(prompts)])
 
 
-def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, prompt_len: int, rounds: int,
-                  disk_probe_bytes: int, free_written: bool = False, seed: int = 0,
-                  codecs: list[str] | None = None) -> dict:
-    """`params`: the model and the extract settings (the bench's own prompts replace the input); `codecs`: the
-    captures to measure beside plain prefill (default: extract.codec alone)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _steps(mode: str, before, after) -> dict:
+    """Forward passes in a run, the device's time in them, and its idle time between them (scheduling, sampling,
+    and in capture mode the shard boundaries and anything else that holds up the engine's loop)."""
+    return {f"{mode}_{key}": getattr(after, key) - getattr(before, key)
+            for key in ("forwards", "forward_s", "between_forwards_s")}
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = Path(params.model.path)
-    e = params.extract
-    prompts = random_prompts(model, num_prompts, prompt_len, seed)
-    source, warm_source = out_dir / "prompts", out_dir / "warm-up-prompts"
-    write_prompts(source, prompts)
-    write_prompts(warm_source, prompts[: max(1, num_prompts // 8)])
-    tokens = num_prompts * prompt_len
 
-    codecs = codecs or [params.extract.codec]
+def _allocator(mode: str, before: dict) -> dict:
+    """cudaFree calls and retried cudaMallocs in a run (an engine in this process only)."""
+    return {f"{mode}_{key}": value - before[key] for key, value in _allocator_waits().items()}
 
-    def extraction_of(src: Path, target: Path, codec: str = codecs[0]) -> Extraction:
-        return Extraction(params.override({"extract.input": str(src), "output.dir": str(target),
-                                           "extract.codec": codec}))
 
-    holder = EngineHolder()
-    started = time.perf_counter()
-    extraction = extraction_of(source, out_dir / "dataset")
-    engine = holder(extraction.engine_settings())
-    engine_start_s = time.perf_counter() - started
-    rss = TreeRss()  # a daemon thread: a bench that fails leaves it to the interpreter's end
-    rss.start()
-    loaded_rss = rss.now()
-    # Warm both paths on an eighth of the prompts (allocator, pinned host buffers, writer threads, page cache)
-    # before anything is timed.
-    engine.plain_prefill(prompts[: max(1, num_prompts // 8)])
-    for codec in codecs:
-        extraction_of(warm_source, out_dir / "warm-up", codec).run(holder)
-        shutil.rmtree(out_dir / "warm-up")
-    target = out_dir / "dataset"
+class _Bench:
+    """One loaded engine and the bench's prompts: plain prefill and a capture per codec, a round at a time."""
 
-    def steps(mode: str, before: dict, after: dict) -> dict:
-        """Forward passes in a run, the device's time in them, and its idle time between them (scheduling,
-        sampling, and in capture mode the shard boundaries and anything else that holds up the engine's loop)."""
-        return {f"{mode}_{key}": getattr(after, key) - getattr(before, key)
-                for key in ("forwards", "forward_s", "between_forwards_s")}
+    def __init__(self, params: PipelineParams, out_dir: Path, prompts: list[list[int]], codec: str,
+                 free_written: bool):
+        self.params, self.prompts, self.free_written = params, prompts, free_written
+        self.tokens = sum(len(p) for p in prompts)
+        self.source, self.warm_source = out_dir / "prompts", out_dir / "warm-up-prompts"
+        self.target, self.warm_target = out_dir / "dataset", out_dir / "warm-up"
+        self.warm_prompts = prompts[: max(1, len(prompts) // 8)]
+        write_prompts(self.source, prompts)
+        write_prompts(self.warm_source, self.warm_prompts)
+        self.holder = EngineHolder()
+        started = time.perf_counter()
+        self.extraction = self.extraction_of(self.source, self.target, codec)  # the model, layers and shards
+        self.engine = self.holder(self.extraction.engine_settings())
+        self.engine_start_s = time.perf_counter() - started
+        self.rss = TreeRss()  # a daemon thread: a bench that fails leaves it to the interpreter's end
+        self.rss.start()
+        self.loaded_rss = self.rss.now()
 
-    def allocator(mode: str, before: dict) -> dict:
-        """cudaFree calls and retried cudaMallocs in a run (an engine in this process only)."""
-        return {f"{mode}_{key}": value - before[key] for key, value in _allocator_waits().items()}
+    def extraction_of(self, src: Path, target: Path, codec: str) -> Extraction:
+        return Extraction(self.params.override({"extract.input": str(src), "output.dir": str(target),
+                                                "extract.codec": codec}))
 
-    def plain() -> dict:
-        before, allocator_before = engine.capture_stats(), _allocator_waits()
+    def warm(self, codecs: list[str]) -> None:
+        """Both paths on an eighth of the prompts (allocator, pinned host buffers, writer threads, page cache),
+        before anything is timed."""
+        self.engine.plain_prefill(self.warm_prompts)
+        for codec in codecs:
+            self.extraction_of(self.warm_source, self.warm_target, codec).run(self.holder)
+            shutil.rmtree(self.warm_target)
+
+    def round(self, r: int, codecs: list[str]) -> dict:
+        """Plain prefill and every capture once, starting with the next in turn (with one codec: ABBA), so that a
+        drift of the machine's speed favours none of them."""
+        turns = ["plain", *codecs]
+        order = turns[r % len(turns):] + turns[:r % len(turns)]
+        row = {"round": r, "first": "plain" if order[0] == "plain" else "capture", "order": order, "captures": {}}
+        for turn in order:
+            if turn == "plain":
+                row.update(self.plain())
+            else:
+                row["captures"][turn] = self.capture(turn)
+        for c in row["captures"].values():
+            c.update(ratio=row["plain_s"] / c["capture_s"],
+                     # the same without what is left to write after the last forward pass: a fixed cost per run,
+                     # which a long run (hours, not this round's seconds) spreads over many more tokens
+                     ratio_to_last_forward=row["plain_s"] / (c["capture_s"] - c["drain_s"]))
+        row["plain_tok_s"] = self.tokens / row["plain_s"]
+        return row
+
+    def plain(self) -> dict:
+        before, allocator_before = self.engine.capture_stats(), _allocator_waits()
         t0 = time.monotonic()
-        engine.plain_prefill(prompts)
+        self.engine.plain_prefill(self.prompts)
         plain_s = time.monotonic() - t0
-        return {"plain_s": plain_s, **steps("plain", before, engine.capture_stats()),
-                **allocator("plain", allocator_before)}
+        return {"plain_s": plain_s, **_steps("plain", before, self.engine.capture_stats()),
+                **_allocator("plain", allocator_before)}
 
-    def capture(codec: str) -> dict:
+    def capture(self, codec: str) -> dict:
+        target = self.target
         shutil.rmtree(target, ignore_errors=True)
-        before, allocator_before = engine.capture_stats(), _allocator_waits()
+        before, allocator_before = self.engine.capture_stats(), _allocator_waits()
         t0 = time.monotonic()
-        extraction_round = extraction_of(source, target, codec)  # reads and hashes the input, plans shards
+        extraction = self.extraction_of(self.source, target, codec)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
         freed, recorded = [], [0.0]  # recorded: when the driver last recorded a shard (its receipt written)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-free") as freeing:
             def on_shard(shard, cached):
                 recorded[0] = time.monotonic()
-                if free_written:
+                if self.free_written:
                     freed.append(freeing.submit(free_disk_blocks, shard_path(target, shard.name)))
-            manifest = extraction_round.run(holder, on_shard)
+            manifest = extraction.run(self.holder, on_shard)
             ended = time.monotonic()
         for done in freed:
             done.result()
-        after = engine.capture_stats()
+        after = self.engine.capture_stats()
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
         # (back-pressure from writing), the time after the last captured step (writes draining, manifest), and
@@ -236,7 +253,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         capture_s = ended - t0
         row = {"capture_s": capture_s, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
                "setup_s": setup_s, "forward_stalled_s": after.pinned_wait_s - before.pinned_wait_s,
-               "drain_s": ended - after.last_forward_end, **steps("capture", before, after),
+               "drain_s": ended - after.last_forward_end, **_steps("capture", before, after),
                # the drain taken apart: what the host buffers still held when the last step was handed over, and
                # when the last shard file was committed (the rest is the index, the manifest, the driver's polls)
                "drain_backlog_gb": after.backlog_bytes / 1e9,
@@ -247,9 +264,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
                "device_encode_s": after.device_encode_s - before.device_encode_s,
-               **allocator("capture", allocator_before)}
-        row.update(capture_tok_s=tokens / capture_s, write_gb_s=row["bytes_written"] / capture_s / 1e9,
-                   bytes_per_token_stored=row["bytes_written"] / tokens,
+               **_allocator("capture", allocator_before)}
+        row.update(capture_tok_s=self.tokens / capture_s, write_gb_s=row["bytes_written"] / capture_s / 1e9,
+                   bytes_per_token_stored=row["bytes_written"] / self.tokens,
                    # the codec's own speed: what one writer thread compresses per second (codec_threads each)
                    encode_gb_s_per_writer=(row["encoded_bytes"] / row["encode_s"] / 1e9 if row["encode_s"] else None),
                    # a step codec's: what the device encodes per second of its own time
@@ -257,55 +274,62 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
                                        if row["device_encode_s"] else None))
         return row
 
+    def close(self) -> None:
+        self.holder.close()
+        self.rss.stop()
+
+
+def _round_lines(row: dict) -> str:
+    """A round as it is printed when it ends: plain prefill's pace, then each capture's, with where its time went."""
+    lines = [f"round {row['round']} ({', '.join(row['order'])}): plain {row['plain_tok_s']:,.0f} tok/s"]
+    for codec, c in row["captures"].items():
+        lines.append(
+            f"  capture {codec}: {c['capture_tok_s']:,.0f} tok/s | ratio {c['ratio']:.3f} | "
+            f"{c['write_gb_s']:.2f} GB/s written, {c['bytes_per_token_stored']:,.0f} bytes/token | input "
+            f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
+            f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in pinned host buffers, the last sample "
+            f"at its writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
+            f"{c['drain_writes_s']:.2f} s, recorded after {c['drain_recorded_s']:.2f} s) | steps "
+            f"{row['plain_forwards']} / {c['capture_forwards']}, "
+            f"in them {row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
+            f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s (plain / capture)"
+            + "".join(f" | {key} {row[f'plain_{key}']} / {c[f'capture_{key}']}" for key in ALLOCATOR_WAITS
+                      if f"capture_{key}" in c))
+    return "\n".join(lines)
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, prompt_len: int, rounds: int,
+                  disk_probe_bytes: int, free_written: bool = False, seed: int = 0,
+                  codecs: list[str] | None = None) -> dict:
+    """`params`: the model and the extract settings (the bench's own prompts replace the input); `codecs`: the
+    captures to measure beside plain prefill (default: extract.codec alone)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    e = params.extract
+    codecs = codecs or [e.codec]
+    bench = _Bench(params, out_dir, random_prompts(Path(params.model.path), num_prompts, prompt_len, seed),
+                   codecs[0], free_written)
     rounds_out = []
     try:
+        bench.warm(codecs)
         for r in range(rounds):
-            # each round starts with the next in turn (with one codec: ABBA), so a drift of the machine's speed
-            # favours none of them
-            turns = ["plain", *codecs]
-            order = turns[r % len(turns):] + turns[:r % len(turns)]
-            row = {"round": r, "first": "plain" if order[0] == "plain" else "capture", "order": order,
-                   "captures": {}}
-            for turn in order:
-                if turn == "plain":
-                    row.update(plain())
-                else:
-                    row["captures"][turn] = capture(turn)
-            for codec, c in row["captures"].items():
-                c.update(ratio=row["plain_s"] / c["capture_s"],
-                         # the same without what is left to write after the last forward pass: a fixed cost per
-                         # run, which a long run (hours, not this round's seconds) spreads over many more tokens
-                         ratio_to_last_forward=row["plain_s"] / (c["capture_s"] - c["drain_s"]))
-            row["plain_tok_s"] = tokens / row["plain_s"]
-            rounds_out.append(row)
-            print(f"round {r} ({', '.join(order)}): plain {row['plain_tok_s']:,.0f} tok/s", flush=True)
-            for codec, c in row["captures"].items():
-                print(f"  capture {codec}: {c['capture_tok_s']:,.0f} tok/s | ratio {c['ratio']:.3f} | "
-                      f"{c['write_gb_s']:.2f} GB/s written, {c['bytes_per_token_stored']:,.0f} bytes/token | input "
-                      f"{c['setup_s']:.1f} s, forward stalled {c['forward_stalled_s']:.1f} s, after the last forward "
-                      f"{c['drain_s']:.2f} s ({c['drain_backlog_gb']:.2f} GB in pinned host buffers, the last sample "
-                      f"at its writer after {c['drain_assembled_s']:.2f} s, the last shard written after "
-                      f"{c['drain_writes_s']:.2f} s, recorded after {c['drain_recorded_s']:.2f} s) | steps "
-                      f"{row['plain_forwards']} / {c['capture_forwards']}, "
-                      f"in them {row['plain_forward_s']:.2f} s / {c['capture_forward_s']:.2f} s, idle between them "
-                      f"{row['plain_between_forwards_s']:.2f} s / {c['capture_between_forwards_s']:.2f} s "
-                      "(plain / capture)"
-                      + "".join(f" | {key} {row[f'plain_{key}']} / {c[f'capture_{key}']}" for key in ALLOCATOR_WAITS
-                                if f"capture_{key}" in c), flush=True)
+            rounds_out.append(bench.round(r, codecs))
+            print(_round_lines(rounds_out[-1]), flush=True)
     finally:
-        holder.close()
+        bench.close()
     disk = disk_write_bandwidth(out_dir, disk_probe_bytes, streams=e.write_threads)
+    extraction = bench.extraction
     raw_bytes_per_token = ((4 if extraction.dtype == "float32" else 2) * extraction.model["hidden_size"]
                            * len(extraction.layers))
-
-    def median(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
     captures = {}
     for codec in codecs:
         rows = [r["captures"][codec] for r in rounds_out]
-        captures[codec] = {f"{k}_median": median(c[k] for c in rows) for k in (
+        captures[codec] = {f"{k}_median": _median(c[k] for c in rows) for k in (
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
             "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb",
             "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer",
@@ -321,12 +345,11 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     # (`dataset.kept_bytes`), the largest planned: a sample longer than shard_max_tokens is a shard of its own;
     # None when no codec keeps anything
     kept = [c["bytes_per_token_stored_median"] for codec, c in captures.items() if Codec(codec).enabled]
-    largest_shard_tokens = max(sum(len(s.input_ids) for s in shard.samples) for shard in extraction.shards)
+    largest_shard_tokens = max(shard.num_tokens for shard in extraction.shards)
     kept_bound_gb = (e.host_buffer_gb * 2**30 + largest_shard_tokens * max(kept)) / 1e9 if kept else None
-    rss.stop()
     return {
-        "model": str(model), "prompts": num_prompts, "prompt_len": prompt_len, "tokens_per_round": tokens,
-        "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype,
+        "model": str(params.model.path), "prompts": num_prompts, "prompt_len": prompt_len,
+        "tokens_per_round": bench.tokens, "layer_ids": list(extraction.layers.layer_ids), "dtype": extraction.dtype,
         "hidden_size": extraction.model["hidden_size"], "bytes_per_token": raw_bytes_per_token,
         "max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
         "shard_max_tokens": e.shard_max_tokens, "largest_shard_tokens": largest_shard_tokens,
@@ -337,9 +360,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         **{f"{k}_median": statistics.median(r[k] for r in rounds_out)
            for k in ("plain_forward_s", "plain_between_forwards_s")},
         "captures": captures,
-        "disk_write_gb_s": disk, "engine_start_s": engine_start_s,
+        "disk_write_gb_s": disk, "engine_start_s": bench.engine_start_s,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-        "loaded_tree_rss_gb": loaded_rss / 1e9, "peak_tree_rss_gb": rss.peak / 1e9,
+        "loaded_tree_rss_gb": bench.loaded_rss / 1e9, "peak_tree_rss_gb": bench.rss.peak / 1e9,
         "host_buffer_gb": e.host_buffer_gb, "kept_bound_gb": kept_bound_gb,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
     }

@@ -75,6 +75,10 @@ class PlannedShard:
     samples: list[InputSample]
     content_hash: str
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.input_ids) for s in self.samples)
+
 
 class NoRoomError(OSError):
     """The output's disk does not have room for the unfinished shards."""
@@ -451,7 +455,7 @@ def run_extraction(extraction: Extraction, progress: bool = True, engines: Engin
     started = time.time()
     with tqdm(total=total, unit="tok", unit_scale=True, desc="extract", disable=not progress) as bar:
         def advance(shard: PlannedShard, cached: bool):
-            bar.update(sum(len(s.input_ids) for s in shard.samples))
+            bar.update(shard.num_tokens)
             bar.set_postfix_str(f"{shard.name} {'cached' if cached else 'written'}")
         holder = engines or EngineHolder()
         try:
