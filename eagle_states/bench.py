@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagle_states.capture.engine import EngineHolder
+from eagle_states.capture.shard_writer import WRITER_TIMES
 from eagle_states.config import PipelineParams
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import atomic_file, libc_function
@@ -264,6 +265,11 @@ class _Bench:
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
                "device_encode_s": after.device_encode_s - before.device_encode_s,
+               # the writer threads' time (summed over them): in shards, waiting for samples, hashing, waiting for
+               # the file's writes; the rest of it is framing or encoding, opening and committing
+               **{f"writers_{key}": getattr(after, f"writer_{key}") - getattr(before, f"writer_{key}")
+                  for key in WRITER_TIMES},
+               "shards": len(manifest["shards"]),
                **_allocator("capture", allocator_before)}
         row.update(capture_tok_s=self.tokens / capture_s, write_gb_s=row["bytes_written"] / capture_s / 1e9,
                    bytes_per_token_stored=row["bytes_written"] / self.tokens,
@@ -333,7 +339,8 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
             "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb",
             "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer",
-            "encode_gb_s_device")}
+            "encode_gb_s_device", *(f"writers_{key}" for key in WRITER_TIMES))}
+        captures[codec]["shards"] = rows[0]["shards"]
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
     plain_tok_s = statistics.median(r["plain_tok_s"] for r in rounds_out)
     for c in captures.values():
@@ -383,6 +390,8 @@ def format_result(result: dict) -> str:
                   if c["encode_gb_s_per_writer_median"] else
                   f", the codec {c['encode_gb_s_device_median']:.1f} GB/s on the device"
                   if c.get("encode_gb_s_device_median") else "")
+        writer = {key: c[f"writers_{key}_median"] / c["shards"] for key in WRITER_TIMES}  # a writer, a shard
+        rest = writer["shard_s"] - writer["take_wait_s"] - writer["hash_s"] - writer["write_wait_s"]
         lines += [
             f"capture to disk, codec {codec}: {c['capture_tok_s_median']:>12,.0f} tokens/s (median)",
             f"  ratio capture/plain {c['ratio_median']:.3f} (up to the last forward pass, without the writes "
@@ -397,6 +406,10 @@ def format_result(result: dict) -> str:
                        else ""),
             f"  device time in forward passes {c['capture_forward_s_median']:.2f} s, idle between them "
             f"{c['capture_between_forwards_s_median']:.2f} s",
+            f"  a writer thread's time in a shard (the mean of {c['shards']}): {writer['shard_s']:.3f} s, of it "
+            f"waiting for samples {writer['take_wait_s']:.3f} s, hashing {writer['hash_s']:.3f} s, waiting for the "
+            f"file's writes {writer['write_wait_s']:.3f} s, the rest (framing or encoding, opening, committing) "
+            f"{rest:.3f} s",
             f"  written {c['write_gb_s_median']:.2f} GB/s, {c['bytes_per_token_stored_median']:,.0f} bytes/token on "
             f"disk of {result['bytes_per_token']:,} captured (x{c['compression_ratio']:.3f}){encode}",
             f"  the disk alone ({result['disk_write_gb_s']:.2f} GB/s) allows at most {c['disk_bound_ratio']:.3f} x "

@@ -20,6 +20,9 @@ from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
 if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
 
+# ShardWriter's counters of where the writer threads' time goes (the stats reply's `writer_*` fields)
+WRITER_TIMES = ("shard_s", "take_wait_s", "hash_s", "write_wait_s")
+
 
 class ShardWriter:
     """Streams each sample from host memory to disk as soon as it is complete, and hands its pinned blocks back.
@@ -34,6 +37,9 @@ class ShardWriter:
         self.write_slots = threading.BoundedSemaphore(write_threads + 1)
         self.lock = threading.Lock()
         self.encoded_bytes, self.encode_s = 0, 0.0  # summed over the writer threads
+        # where the writer threads' time goes, summed over them and over written shards: in shards (from asking
+        # for the first sample to the file committed), waiting for samples, hashing, waiting for the file's writes
+        self.shard_s = self.take_wait_s = self.hash_s = self.write_wait_s = 0.0
         self.last_written = 0.0  # time.monotonic() when the last shard file was committed
         self.last_taken = 0.0  # time.monotonic() when a writer last got a complete sample
 
@@ -45,9 +51,10 @@ class ShardWriter:
 
     def _write_shard(self, path: str, plan: ShardPlan, take: Callable[[str], CapturedSample],
                      room: ShardRoom) -> tuple[str, int]:
+        started = time.monotonic()
         try:
             order = shard_sample_order(plan.sample_ids)
-            first = self._take(take, order[0])
+            first, waited = self._take(take, order[0])
             try:
                 like = first.chunks[0][0]  # the stream's dtype and width, from the first captured piece
                 specs = {}
@@ -59,7 +66,8 @@ class ShardWriter:
                 framing = self.num_states if plan.codec.on_device else 1
                 with ShardFileWriter(Path(path), specs, plan.codec, encode_threads=framing, kept=room) as out:
                     for sid in order:
-                        sample = first if sid == order[0] else self._take(take, sid)
+                        sample, seconds = (first, 0.0) if sid == order[0] else self._take(take, sid)
+                        waited += seconds
                         try:
                             self._write_sample(out, sid, sample, plan.loss_masks[sid])
                         finally:
@@ -68,6 +76,10 @@ class ShardWriter:
                     self.encoded_bytes += out.encoded_bytes
                     self.encode_s += out.encode_s
                     self.last_written = time.monotonic()
+                    self.shard_s += self.last_written - started
+                    self.take_wait_s += waited
+                    self.hash_s += out.hash_s
+                    self.write_wait_s += out.write_wait_s
             finally:
                 first.forget(self.pinned)  # a no-op once written; gives it back when the file could not be opened
             return out.digest, out.size
@@ -79,10 +91,12 @@ class ShardWriter:
             room.close()
             self.write_slots.release()
 
-    def _take(self, take: Callable[[str], CapturedSample], sample_id: str) -> CapturedSample:
+    def _take(self, take: Callable[[str], CapturedSample], sample_id: str) -> tuple[CapturedSample, float]:
+        """A complete sample, and the seconds waited for it."""
+        started = time.monotonic()
         sample = take(sample_id)
         self.last_taken = time.monotonic()  # a float store: no lock needed between the writer threads
-        return sample
+        return sample, self.last_taken - started
 
     def _write_sample(self, out: ShardFileWriter, sample_id: str, sample: CapturedSample, mask: list[int]):
         if len(mask) != len(sample.ids):

@@ -22,7 +22,7 @@ from eagle_states.capture import protocol as p
 from eagle_states.capture.assembler import Assembler
 from eagle_states.capture.forward import ForwardCapture, check_model_runner, kv_cache_facts
 from eagle_states.capture.protocol import CaptureError, UnsupportedModelError
-from eagle_states.capture.shard_writer import ShardWriter
+from eagle_states.capture.shard_writer import WRITER_TIMES, ShardWriter
 from eagle_states.dataset.kept_bytes import return_freed_memory
 
 
@@ -102,7 +102,8 @@ class _Capture:
             forward_s=clock.forward_s,
             between_forwards_s=clock.between_s, encoded_bytes=self.shards.encoded_bytes if self.shards else 0,
             encode_s=self.shards.encode_s if self.shards else 0.0, **dict(zip(
-                ("device_encoded_bytes", "device_encode_s"), forward.encoding.seconds())))
+                ("device_encoded_bytes", "device_encode_s"), forward.encoding.seconds())),
+            **({f"writer_{key}": getattr(self.shards, key) for key in WRITER_TIMES} if self.shards else {}))
 
     def discard(self, call: p.Discard) -> p.Discarded:
         """Forget partial and unclaimed samples and unfinished shards (after a failure) so that a retry starts

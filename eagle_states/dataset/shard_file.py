@@ -93,6 +93,9 @@ class ShardFileWriter:
         self._kept: dict[str, list] = {}  # with a codec: each tensor as written, for the digest at the end
         self._encoded: dict[str, tuple[int, dict]] = {}  # a compressed tensor's stored size and header entry
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
+        # the caller's time hashing, and waiting for the helper thread's writes (the rest of a shard's time in the
+        # caller is waiting for encoders, opening and committing)
+        self.hash_s = self.write_wait_s = 0.0
 
     def _header(self, encoded: dict[str, tuple[int, dict]], room: int = 0) -> bytes:
         """The safetensors header, its 8-byte length first: each tensor as stored (a compressed one, `encoded`'s
@@ -129,7 +132,17 @@ class ShardFileWriter:
     def _put(self, data) -> None:
         self._writes.append(self._io.submit(self._file.write, data))  # in order: one thread
         if not self.codec.enabled:
-            self._hasher.update(data)
+            self._hash(data)
+
+    def _hash(self, data) -> None:
+        started = time.perf_counter()
+        self._hasher.update(data)
+        self.hash_s += time.perf_counter() - started
+
+    def _wait_for_write(self, write) -> None:
+        started = time.perf_counter()
+        write.result()
+        self.write_wait_s += time.perf_counter() - started
 
     def write(self, name: str, pieces: list[torch.Tensor]) -> None:
         """The next tensor in key order (`write_many`)."""
@@ -173,7 +186,7 @@ class ShardFileWriter:
         # what was queued is this writer's own copy (compressed, framed or copied, kept for the digest): the next
         # tensors are encoded while these go to the file, and a failed write surfaces at the next call.
         while self._writes and (not self.codec.enabled or self._writes[0].done()):
-            self._writes.pop(0).result()
+            self._wait_for_write(self._writes.pop(0))
 
     def _check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
         """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
@@ -212,12 +225,12 @@ class ShardFileWriter:
                                      f"(next: {self.order[self._next]})")
                 if self.codec.enabled:  # hashed while the last tensors are still being written
                     header = self._header(self._encoded, self.room)
-                    self._hasher.update(header)
+                    self._hash(header)
                     for name in self.order:
                         for chunk in self._kept[name]:
-                            self._hasher.update(chunk)
+                            self._hash(chunk)
                 for write in self._writes:
-                    write.result()
+                    self._wait_for_write(write)
                 if self.codec.enabled:
                     self._file.write_head(header)
                 self.digest = self._hasher.hexdigest()

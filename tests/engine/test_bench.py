@@ -49,6 +49,11 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
             # 240 tokens in steps of at most 50: plain packs them into 5 steps; capture runs 3 shards of 2
             # samples (80 tokens each: 2 steps per shard)
             assert r["plain_forwards"] == 5 and c["capture_forwards"] == 6
+            # the writer threads' time in the 3 shards, and the parts of it that are counted: each within it
+            assert c["shards"] == 3 and c["writers_shard_s"] > 0 and c["writers_hash_s"] > 0
+            assert min(c["writers_take_wait_s"], c["writers_write_wait_s"]) >= 0
+            assert (c["writers_take_wait_s"] + c["writers_hash_s"] + c["writers_write_wait_s"]
+                    <= c["writers_shard_s"] + 1e-6)
             assert 0 < c["capture_forward_s"] and 0 <= c["capture_between_forwards_s"]
             assert c["capture_forward_s"] + c["capture_between_forwards_s"] < c["capture_s"]
         # 3 shards of 2 samples: every state written, plus ids, masks and headers; compressed: fewer bytes
@@ -68,6 +73,7 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     assert result["kept_bound_gb"] == pytest.approx(
         (8 * 2**30 + 80 * result["captures"]["blosc2-zstd"]["bytes_per_token_stored_median"]) / 1e9)
     assert "above the loaded engine" in printed
+    assert printed.count("a writer thread's time in a shard (the mean of 3)") == 2  # a line per codec
     # the drain's backlog counts pinned buffers only: said for the codec (whose framed tensors queue for the disk
     # beyond them), not for none
     assert printed.count("still queued for the disk are not counted") == 1
