@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|llama8b [CODECS]
+#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|waits|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -57,6 +57,14 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
       bench "rss-${spec#*:}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 \
           --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs ${CODECS:-none}
     done ;;
+  waits)  # into RAM uncompressed, one round, with where the writers' threads sleep (bench/thread_waits.py): the
+          # shard's write calls run at 1.45 GB/s with their threads mostly off the CPU (RESULTS, 2026-12-04, thirteenth)
+    make_dsv3
+    PYTHONPATH="$PWD/bench/thread_names:$PYTHONPATH" python3 bench/thread_waits.py \
+        "$OUT/thread_waits.txt" -- python3 -m eagle_states bench --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 \
+        --shard-max-tokens 16384 --rounds 1 --codecs none --json "$OUT/waits.json" 2>"$OUT/waits.err" \
+        | tee "$OUT/waits.txt" | grep "writer thread's time\|ratio"
+    cat "$OUT/thread_waits.txt" ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds ${ROUNDS:-2} \

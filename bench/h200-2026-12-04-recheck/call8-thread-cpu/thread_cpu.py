@@ -3,12 +3,13 @@ capture into RAM runs behind (the writers, their I/O threads, the forward thread
 
     python3 thread_cpu.py OUT.txt -- COMMAND...   (runs COMMAND, samples its tree every 0.25 s)
 
-Python threads get their names in the kernel from `names/sitecustomize.py` on PYTHONPATH. As run on the H200
-(2026-12-04, after `source bench/h200_env.sh; make_dsv3`, D=bench/h200-2026-12-04-recheck/call8-thread-cpu):
+Python threads get their names in the kernel from `bench/thread_names/sitecustomize.py` on PYTHONPATH. As run on
+the H200 (2026-12-04, after `source bench/h200_env.sh; make_dsv3`, D=bench/h200-2026-12-04-recheck/call8-thread-cpu;
+the sitecustomize was in $D/names then):
 
-    PYTHONPATH=$PWD/$D/names:$PYTHONPATH python3 $D/thread_cpu.py $OUT/thread_cpu.txt -- python3 -m eagle_states \
-        bench --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds 2 --codecs none \
-        --json $OUT/shm-cpu.json
+    PYTHONPATH=$PWD/bench/thread_names:$PYTHONPATH python3 $D/thread_cpu.py $OUT/thread_cpu.txt -- \
+        python3 -m eagle_states bench --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 \
+        --rounds 2 --codecs none --json $OUT/shm-cpu.json
 """
 import os
 import re

@@ -1,5 +1,5 @@
-# For thread_cpu.py only: gives each Python thread its name in the kernel (/proc/.../comm, 15 characters), which
-# Python 3.12 does not, so that CPU time can be told apart per thread group.
+# For the thread samplers (bench/thread_waits.py) only: gives each Python thread its name in the kernel
+# (/proc/.../comm, 15 characters), which Python 3.12 does not, so that threads can be told apart by group.
 import ctypes
 import threading
 
