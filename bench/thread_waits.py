@@ -37,7 +37,8 @@ def read(path: str) -> str:
         return ""
 
 
-def sample(root: int, places: dict, running: Counter, total: Counter) -> None:
+def tasks(root: int):
+    """(its /proc folder, its stat line) for each thread of the tree."""
     for pid in tree(root):
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -46,17 +47,21 @@ def sample(root: int, places: dict, running: Counter, total: Counter) -> None:
         for tid in tids:
             base = f"/proc/{pid}/task/{tid}"
             stat = read(f"{base}/stat")
-            if not stat:
-                continue
-            name = re.sub(r"[_-]?\d+$", "", stat[stat.index("(") + 1:stat.rindex(")")])
-            state = stat[stat.rindex(")") + 2]
-            total[name] += 1
-            if state == "R":
-                running[name] += 1
-                continue
-            frames = [line.split("] ", 1)[-1].split("+")[0] for line in read(f"{base}/stack").splitlines()[:4]]
-            place = " < ".join(frames) if frames else read(f"{base}/wchan") or "?"
-            places[name][f"{state} {place}"] += 1
+            if stat:
+                yield base, stat
+
+
+def sample(root: int, places: dict, running: Counter, total: Counter) -> None:
+    for base, stat in tasks(root):
+        name = re.sub(r"[_-]?\d+$", "", stat[stat.index("(") + 1:stat.rindex(")")])
+        state = stat[stat.rindex(")") + 2]
+        total[name] += 1
+        if state == "R":
+            running[name] += 1
+            continue
+        frames = [line.split("] ", 1)[-1].split("+")[0] for line in read(f"{base}/stack").splitlines()[:4]]
+        place = " < ".join(frames) if frames else read(f"{base}/wchan") or "?"
+        places[name][f"{state} {place}"] += 1
 
 
 def main():

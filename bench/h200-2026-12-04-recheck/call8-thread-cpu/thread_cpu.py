@@ -17,33 +17,20 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/
+from thread_waits import tasks  # noqa: E402  (the tree's threads: the same walk as when this ran)
 
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def threads(root: int):
-    pids = [root]
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                pids += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
+    """{thread's /proc folder: (its name, its CPU seconds)}."""
     out = {}
-    for p in pids:
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tids:
-            try:
-                with open(f"/proc/{p}/task/{t}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            comm = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2:].split()
-            out[(p, int(t))] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
+    for base, stat in tasks(root):
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[base] = (stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / TICK)
     return out
 
 
