@@ -19,14 +19,14 @@ from collections import Counter, defaultdict
 
 
 def tree(root: int) -> list[int]:
-    pids = [root]
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                pids += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return pids
+    """The process and its descendants, by parent pid (as `bench.TreeRss` finds vLLM's engine core): /proc's
+    `children` lists only those a process's main thread started."""
+    import psutil
+
+    try:
+        return [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
+    except psutil.Error:  # the command just ended
+        return []
 
 
 def read(path: str) -> str:
