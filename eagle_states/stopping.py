@@ -6,7 +6,7 @@ computing and committing shards for three minutes after Ctrl-C. So the handler d
 
 1. it freezes the output: `committing()` guards every rename of a finished file (`files.atomic_file`), and once
    the handler holds that lock no file is committed any more;
-2. it removes the temporary files of writes in flight;
+2. it removes the temporary files of writes in flight, and no new one is made (`temp_file`);
 3. it runs the stop callbacks, bounded in time (giving back the `gpu-engine` slot, telling the Prefect server
    how the flow run ended);
 4. it stops every child process (tensor-parallel workers, local engine workers, the temporary Prefect server,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -43,15 +44,21 @@ _describers: list[Callable[[], str]] = []
 
 @contextmanager
 def committing() -> Iterator[None]:
-    """Around the step that makes a file final (a rename): refused once a stop has begun."""
+    """Around the step that makes a file final (a rename), or a temp file: refused once a stop has begun."""
     with _commit_lock:
         if _frozen:
             raise Stopping("stopping on a signal: nothing more is committed")
         yield
 
 
-def track_temp(path: str) -> None:
-    _temp_files.add(path)
+def temp_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """`tempfile.mkstemp`, tracked for removal by a stop (`untrack_temp` once it is renamed or removed). Made under
+    the commit lock and refused once a stop has begun: a writer thread that made one while the handler removed the
+    tracked ones would leave it behind."""
+    with committing():
+        fd, path = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+        _temp_files.add(path)
+    return fd, path
 
 
 def untrack_temp(path: str) -> None:

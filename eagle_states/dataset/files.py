@@ -12,7 +12,6 @@ import mmap
 import os
 import shutil
 import stat
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -185,8 +184,7 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
 (`stopping`), no file is renamed into place any more."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    stopping.track_temp(tmp)  # removed by a stop on a signal
+    fd, tmp = stopping.temp_file(str(path.parent), prefix=f".{path.name}.", suffix=".tmp")  # removed by a stop
     os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600; a trainer's account must read the dataset
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
