@@ -13,6 +13,17 @@ bench() {  # NAME ARGS...: one bench, its text and JSON in $OUT
       | grep -v "^  capture \|^round"
   tail -2 "$OUT/$name.err"
 }
+memory_state() {  # this shell's memory cgroup (v2, else v1), the host's memory and its pressure stall
+  local cg; cg=/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' /proc/self/cgroup)
+  [ -f "$cg/memory.max" ] || cg=/sys/fs/cgroup/memory
+  for f in "$cg"/memory.{max,high,current,peak,events,pressure,usage_in_bytes,limit_in_bytes,failcnt} \
+      /proc/pressure/memory /sys/kernel/mm/transparent_hugepage/shmem_enabled; do
+    [ -r "$f" ] && sed "s|^|$(basename "$f"): |" "$f"
+  done
+  [ -r "$cg/memory.stat" ] && grep -E "^(anon|file|shmem|pgscan|pgsteal|workingset_refault|thp)" "$cg/memory.stat"
+  grep -E "^(MemTotal|MemFree|MemAvailable|Shmem|Mlocked|Dirty|Writeback):" /proc/meminfo
+  df -h /dev/shm | tail -1
+}
 case "$1" in
   check)  # CODECS: default nvcomp-ans,fp8-e4m3-ans
     set -- check "${2:-nvcomp-ans,fp8-e4m3-ans}"
@@ -57,14 +68,19 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
       bench "rss-${spec#*:}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 \
           --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs ${CODECS:-none}
     done ;;
-  waits)  # into RAM uncompressed, one round, with where the writers' threads sleep (bench/thread_waits.py): the
-          # shard's write calls run at 1.45 GB/s with their threads mostly off the CPU (RESULTS, 2026-12-04, thirteenth)
+  waits)  # into RAM uncompressed, one round (ROUNDS=), with where the writers' threads sleep (bench/thread_waits.py): the
+          # shard's write calls run at 1.45 GB/s with their threads mostly off the CPU (RESULTS, 2026-12-04, thirteenth);
+          # EAGLE_SWITCH_INTERVAL=SECONDS sets Python's GIL switch interval (bench/thread_names/sitecustomize.py)
+    # and the memory cgroup's limits and events before and after: a cgroup past memory.high has its allocating
+    # threads put to sleep, and tmpfs pages count against it
     make_dsv3
-    PYTHONPATH="$PWD/bench/thread_names:$PYTHONPATH" python3 bench/thread_waits.py \
+    memory_state > "$OUT/memory_before.txt"
+    PYTHONPATH="$PWD/bench/thread_names:$PYTHONPATH" python3 bench/thread_waits.py --only "" \
         "$OUT/thread_waits.txt" -- python3 -m eagle_states bench --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 \
-        --shard-max-tokens 16384 --rounds 1 --codecs none --json "$OUT/waits.json" 2>"$OUT/waits.err" \
+        --shard-max-tokens 16384 --rounds ${ROUNDS:-1} --codecs none --json "$OUT/waits.json" 2>"$OUT/waits.err" \
         | tee "$OUT/waits.txt" | grep "writer thread's time\|ratio"
-    cat "$OUT/thread_waits.txt" ;;
+    memory_state > "$OUT/memory_after.txt"
+    cat "$OUT/thread_waits.txt"; diff "$OUT/memory_before.txt" "$OUT/memory_after.txt" | grep "^[<>]" | head -60 ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds ${ROUNDS:-2} \
