@@ -69,8 +69,7 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
           --prompts "${spec%%:*}" --prompt-len "${spec#*:}" --rounds 1 --codecs ${CODECS:-none}
     done ;;
   waits)  # into RAM uncompressed, one round (ROUNDS=), with where the writers' threads sleep (bench/thread_waits.py): the
-          # shard's write calls run at 1.45 GB/s with their threads mostly off the CPU (RESULTS, 2026-12-04, thirteenth);
-          # EAGLE_SWITCH_INTERVAL=SECONDS sets Python's GIL switch interval (bench/thread_names/sitecustomize.py)
+          # shard's write calls run at 1.45 GB/s with their threads mostly off the CPU (RESULTS, 2026-12-04, thirteenth)
     # and the memory cgroup's limits and events before and after: a cgroup past memory.high has its allocating
     # threads put to sleep, and tmpfs pages count against it
     make_dsv3
