@@ -39,8 +39,10 @@ class Deployed:
         self.prefect("work-pool", "create", "eagle-states", "--type", "process")
         self.prefect("global-concurrency-limit", "create", "gpu-engine", "--limit", "1")
         self.prefect("--no-prompt", "deploy", "--all")
+        # a cancel reaches the worker as an event; were the event missed, its poll (120 s by default) would
         self.worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "eagle-states"], cwd=self.workspace,
-                                       env=env, stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
+                                       env={**env, "PREFECT_WORKER_CANCELLATION_POLL_SECONDS": "5"},
+                                       stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
                                        start_new_session=True)
 
     def prefect(self, *args, timeout=300) -> str:

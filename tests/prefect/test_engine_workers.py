@@ -132,9 +132,8 @@ def test_two_workers_take_the_shards_as_they_are_free_and_match_one_engine(clust
     assert shard_hashes(cluster.tmp / "first" / "dataset") == shard_hashes(out)
     assert (cluster.tmp / "first" / "dataset" / "manifest.json").read_bytes() == (out / "manifest.json").read_bytes()
     fast, slow = cluster.computed("fast", "first"), cluster.computed("slow", "first")
-    assert fast + slow == SHARDS and slow >= 1 and fast > slow, (fast, slow)
-    # a fixed half-and-half split would keep the slowed worker busy for at least SHARDS / 2 * DELAY_S
-    assert first["stage_seconds"]["extract"] < SHARDS / 2 * DELAY_S, first["stage_seconds"]
+    # shards go to whoever is free: a fixed half-and-half split would give the slowed worker SHARDS / 2
+    assert fast + slow == SHARDS and 1 <= slow < SHARDS // 2 < fast, (fast, slow)
     # the UI: each shard's task run logs the worker that computed it; the summary has a table of workers
     api = cluster.env["PREFECT_API_URL"]
     logs = httpx.post(f"{api}/logs/filter", json={"limit": 200, "logs": {"task_run_id": {"is_null_": False}}}).json()

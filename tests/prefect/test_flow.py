@@ -2,6 +2,7 @@
 the model loaded, validation failures never retried."""
 
 import json
+import signal
 
 import pytest
 from prefect.testing.utilities import prefect_test_harness
@@ -68,7 +69,12 @@ def flow_with(params: PipelineParams, engines: CountingEngines) -> dict:
 def run_flow_with(engine_class, params, **options):
     """The flow with `engine_class` as its engine; returns its result (or state) and how many engines it made."""
     engines = CountingEngines(engine_class)
-    return flow_with(params, engines, **options), engines.created
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return flow_with(params, engines, **options), engines.created
+    finally:  # the flow installs the project's stop (`stopping.install`) in this process: pytest's own come back
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def test_third_of_five_shards_fails_once_and_the_engine_is_created_once(first_run):

@@ -36,6 +36,7 @@ def test_a_crashed_holders_slot_frees_within_the_lease_and_the_wait_is_logged(tm
         holder = subprocess.Popen([sys.executable, "-c", HOLD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         assert holder.stdout.readline().strip() == "held"
         log = open(tmp_path / "run.log", "w")
+        started = time.monotonic()
         run = subprocess.Popen([str(BIN / "eagle-states"), "run", "--json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=log, text=True)
         deadline = time.time() + 300
@@ -45,11 +46,13 @@ def test_a_crashed_holders_slot_frees_within_the_lease_and_the_wait_is_logged(tm
         holder.send_signal(signal.SIGKILL)  # a crash: the slot is never released, only its lease runs out
         holder.wait()
         out, _ = run.communicate(timeout=600)
+        wall = time.monotonic() - started
     text = (tmp_path / "run.log").read_text()
     assert run.returncode == 0, text[-3000:]
     waited = float(re.search(r"got the 'gpu-engine' slot after ([\d.]+) s", text).group(1))
-    assert waited <= GPU_SLOT_LEASE_S + SWEEP_S + 10
+    assert waited <= GPU_SLOT_LEASE_S + SWEEP_S + 30  # the lease may have been renewed just before the kill
     summary = json.loads(out.strip().splitlines()[-1])
     assert abs(summary["stage_seconds"]["gpu_slot_wait"] - waited) < 2
-    assert 0 < summary["stage_seconds"]["extract"], "the wait is taken out of the extraction time"
+    # the stages follow one another: counted in both the wait and the extraction, they would outlast the run
+    assert sum(summary["stage_seconds"].values()) <= wall, "the wait is taken out of the extraction time"
     print(f"the slot came {waited:.1f} s after the wait began (its holder killed then)")

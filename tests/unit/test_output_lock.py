@@ -29,7 +29,7 @@ def test_a_second_holder_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path)
         with pytest.raises(OutputBusy, match=rf"being written by another run \(pid {holder.pid} on .* since "):
             with output_lock(out):
                 pass
-        assert time.monotonic() - started < 1, "refused at once, not after a wait"
+        assert time.monotonic() - started < 5, "refused at once, not after a wait (the lock's own wait is unbounded)"
     finally:
         holder.send_signal(signal.SIGKILL)  # dies without unlocking or removing its note
         holder.wait()

@@ -243,9 +243,11 @@ def test_a_failed_frame_returns_only_once_the_samples_other_frames_are_done(tmp_
     framing fails must not leave its neighbours still reading them."""
     real, calls, finished = step_codecs.FRAMES[FP8.name], [], []
 
+    first = threading.Lock()
+
     def frame(pieces):
         calls.append(pieces)
-        if len(calls) == 1:
+        if first.acquire(blocking=False):  # the first call on any of the encoder threads
             raise ValueError("refused")
         time.sleep(0.3)
         finished.append(pieces)
