@@ -129,30 +129,41 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def prefect_server(home: Path):
-    """`prefect server start` on a free loopback port; yields the environment that points at it."""
-    import httpx
-
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    env.pop("PREFECT_API_KEY", None)
+    """`prefect server start` on a free loopback port (another, should the port be taken before the server binds
+    it); yields the environment that points at it."""
     home.mkdir(parents=True, exist_ok=True)
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(3):
+        port = free_port()
+        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+        env.pop("PREFECT_API_KEY", None)
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                 "--port", str(port)], env=env, stdout=open(home / "server.log", "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        if _serving(proc, port):
+            break
+        stop(proc)
+    else:
+        raise RuntimeError("the Prefect server did not start: " + (home / "server.log").read_text()[-2000:])
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        else:
-            raise RuntimeError("the Prefect server did not start: " + (home / "server.log").read_text()[-2000:])
         yield env
     finally:
         stop(proc)
+
+
+def _serving(proc: subprocess.Popen, port: int, seconds: float = 120) -> bool:
+    """Whether the server answers its health check before it exits or `seconds` pass."""
+    import httpx
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
