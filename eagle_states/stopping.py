@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import signal
+import secrets
 import sys
-import tempfile
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -52,13 +52,21 @@ def committing() -> Iterator[None]:
 
 
 def temp_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
-    """`tempfile.mkstemp`, tracked for removal by a stop (`untrack_temp` once it is renamed or removed). Made under
-    the commit lock and refused once a stop has begun: a writer thread that made one while the handler removed the
-    tracked ones would leave it behind."""
+    """A new file (fd, path) at a random name, as `tempfile.mkstemp` makes one, tracked for removal by a stop
+    (`untrack_temp` once it is renamed or removed). Made under the commit lock and refused once a stop has begun: a
+    writer thread that made one while the handler removed the tracked ones would leave it behind. Tracked before it
+    exists: the handler may run in this very thread (the main one) between any two steps."""
     with committing():
-        fd, path = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
-        _temp_files.add(path)
-    return fd, path
+        while True:
+            path = os.path.join(directory, f"{prefix}{secrets.token_hex(4)}{suffix}")
+            _temp_files.add(path)
+            try:
+                return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), path
+            except FileExistsError:
+                _temp_files.discard(path)
+            except BaseException:
+                _temp_files.discard(path)
+                raise
 
 
 def untrack_temp(path: str) -> None:
@@ -143,3 +151,4 @@ def _stop_children() -> None:
             child.kill()
         except psutil.Error:
             pass
+    psutil.wait_procs(alive, timeout=1)  # a kill takes effect once the process leaves the kernel (a driver call)
