@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|waits|llama8b [CODECS]
+#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|waits|hugetmpfs|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -22,7 +22,7 @@ memory_state() {  # this shell's memory cgroup (v2, else v1), the host's memory 
   done
   [ -r "$cg/memory.stat" ] && grep -E "^(anon|file|shmem|pgscan|pgsteal|workingset_refault|thp)" "$cg/memory.stat"
   grep -E "^(MemTotal|MemFree|MemAvailable|Shmem|Mlocked|Dirty|Writeback):" /proc/meminfo
-  df -h /dev/shm | tail -1
+  df -h /dev/shm | tail -1; grep -w /dev/shm /proc/mounts
 }
 case "$1" in
   check)  # CODECS: default nvcomp-ans,fp8-e4m3-ans
@@ -80,6 +80,16 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
         | tee "$OUT/waits.txt" | grep "writer thread's time\|ratio"
     memory_state > "$OUT/memory_after.txt"
     cat "$OUT/thread_waits.txt"; diff "$OUT/memory_before.txt" "$OUT/memory_after.txt" | grep "^[<>]" | head -60 ;;
+  hugetmpfs)  # tmpfs with huge pages against /dev/shm as mounted: the shard writer alone (bench/huge_tmpfs_check.py),
+              # then the into-RAM capture into each, one process each (plain prefill beside it in both)
+    python3 bench/huge_tmpfs_check.py 2>&1 | tee "$OUT/huge_tmpfs_check.txt" | grep "^TMPFS\|cannot"
+    make_dsv3
+    mkdir -p /mnt/huge && mount -t tmpfs -o size=48G,huge=always tmpfs /mnt/huge
+    bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds ${ROUNDS:-2} \
+        --codecs none
+    bench dsv3-huge --model /dev/shm/dsv3 --out /mnt/huge/bench $DSV3 --shard-max-tokens 16384 --rounds ${ROUNDS:-2} \
+        --codecs none
+    grep -w /dev/shm /proc/mounts; umount /mnt/huge ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds ${ROUNDS:-2} \
