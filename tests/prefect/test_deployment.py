@@ -39,7 +39,8 @@ class Deployed:
         self.prefect("work-pool", "create", "eagle-states", "--type", "process")
         self.prefect("global-concurrency-limit", "create", "gpu-engine", "--limit", "1")
         self.prefect("--no-prompt", "deploy", "--all")
-        # a cancel reaches the worker as an event; were the event missed, its poll (120 s by default) would
+        # a cancel reaches the worker as an event; were the event missed, its poll (120 s by default) would find it
+        # only after the test's 60 s
         self.worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "eagle-states"], cwd=self.workspace,
                                        env={**env, "PREFECT_WORKER_CANCELLATION_POLL_SECONDS": "5"},
                                        stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
