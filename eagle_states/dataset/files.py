@@ -95,6 +95,32 @@ def in_memory_filesystem(path: Path) -> bool:
     return ctypes.c_long.from_buffer(buf).value in IN_MEMORY_FILESYSTEMS
 
 
+def tmpfs_huge_pages(path: Path) -> tuple[str, str] | None:
+    """(mount point, its `huge=` option: "never" where none is given) of the tmpfs holding `path` (or the nearest
+    folder of it that exists), or None where it is not on tmpfs. Without huge pages the kernel writes a tmpfs file
+    a 4 KiB page at a time: a shard's stream ran 2 x faster into tmpfs mounted with `huge=within_size` (through
+    the shard writer on the 2-core CI machine, bench/huge_tmpfs_check.py)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    path = path.resolve()
+    found = None
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                _, point, fstype, options = line.split()[:4]
+                point = point.replace("\\040", " ")
+                inside = path == Path(point) or Path(point) in path.parents
+                if inside and (found is None or len(point) >= len(found[0])):  # the last mounted over the rest
+                    found = point, fstype, options
+    except OSError:
+        return None
+    if found is None or found[1] != "tmpfs":
+        return None
+    huge = [option.split("=", 1)[1] for option in found[2].split(",") if option.startswith("huge=")]
+    return found[0], huge[-1] if huge else "never"
+
+
 class DirectFile:
     """A file written past the page cache (O_DIRECT), for shards on a disk: data is copied into two page-aligned
     buffers, one filling while a helper thread writes the other to the disk; `finish` writes the last, partial

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from eagle_states.dataset.files import tmpfs_huge_pages
 from helpers import REPO
 
 
@@ -78,4 +79,8 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     # beyond them), not for none
     assert printed.count("still queued for the disk are not counted") == 1
     assert not (out / "dataset").exists()  # each round's dataset is removed
+    # into RAM, the bench says so and with which pages (tests/unit/test_files.py mounts tmpfs both ways)
+    tmpfs = tmpfs_huge_pages(out)
+    assert result["output_tmpfs"] == (dict(mount=tmpfs[0], huge=tmpfs[1]) if tmpfs else None)
+    assert ("into tmpfs (" in printed) == bool(tmpfs)
     assert result["free_written"] is True

@@ -4,6 +4,7 @@ left behind by a failed write."""
 import hashlib
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from eagle_states.dataset.files import (DirectFile, StreamingFile, atomic_file, atomic_write_bytes,
-                                        in_memory_filesystem)
+                                        in_memory_filesystem, tmpfs_huge_pages)
 
 ON_A_DISK = pytest.mark.skipif(in_memory_filesystem(tempfile.gettempdir()),
                                reason="the temp directory is in memory, where shards are not written with O_DIRECT")
@@ -132,3 +133,21 @@ def test_a_file_in_memory_is_written_buffered_even_where_o_direct_is_asked_for()
         assert (directory / "f.bin").read_bytes() == b"x" * 5000
     finally:
         shutil.rmtree(directory)
+
+
+def test_tmpfs_huge_pages_names_the_mount_holding_a_path_and_its_pages(tmp_path):
+    """The bench says where shards into RAM went and whether the kernel writes them a 4 KiB page at a time; a
+    mount point with a space in its name is written `\\040` in /proc/mounts."""
+    for options, huge in (("size=1M", "never"), ("size=1M,huge=within_size", "within_size")):
+        point = tmp_path / f"in {huge}"
+        point.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
+                                 text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+        try:
+            assert tmpfs_huge_pages(point / "dataset" / "shards") == (str(point), huge)  # not made yet
+            assert tmpfs_huge_pages(point) == (str(point), huge)
+        finally:
+            subprocess.run(["umount", str(point)], check=True)
+        assert tmpfs_huge_pages(point) == tmpfs_huge_pages(tmp_path)  # unmounted: whatever holds tmp_path
