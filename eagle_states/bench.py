@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import resource
 import shutil
 import statistics
@@ -377,6 +379,13 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     }
 
 
+def growing_file_huge() -> str:
+    """The tmpfs `huge=` option that gives a file written from start to end huge pages on this kernel:
+    `within_size` counts a write's end from Linux 6.14 on (tmpfs's large folios), only the file's size before."""
+    release = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    return "within_size" if release >= (6, 14) else "always"
+
+
 def format_result(result: dict) -> str:
     lines = [
         f"model {result['model']} ({result['dtype']}, hidden {result['hidden_size']}, layers {result['layer_ids']})",
@@ -424,7 +433,7 @@ def format_result(result: dict) -> str:
     if tmpfs := result.get("output_tmpfs"):
         lines.append(f"  into tmpfs ({tmpfs['mount']}, huge={tmpfs['huge']})" + (
             ": the kernel writes each shard a 4 KiB page at a time; a shard's stream ran 2 x faster into tmpfs "
-            f"mounted with huge=within_size (bench/huge_tmpfs_check.py; `mount -o remount,huge=within_size "
+            f"mounted with huge pages (bench/huge_tmpfs_check.py; `mount -o remount,huge={growing_file_huge()} "
             f"{tmpfs['mount']}`, as root)" if tmpfs["huge"] == "never" else ""))
     lines += [
         f"host RSS of this process and the engine's: {result['loaded_tree_rss_gb']:.1f} GB with the model loaded, "
