@@ -211,7 +211,7 @@ def test_the_kept_tensors_are_counted_at_their_stored_size_and_the_bytes_do_not_
     assert kept.used == 0
 
 
-def test_shards_past_the_limit_are_written_oldest_first_and_all_of_them_finish(tmp_path):
+def test_shards_past_the_limit_are_written_oldest_first_and_all_of_them_finish(tmp_path, monkeypatch):
     """With room for less than a shard, each shard waits for the ones before it to close: started youngest first,
     they still end oldest first, and every one is written as it would be alone."""
     stacked, spans = captured_like(rows=60), [(0, 20), (20, 45), (45, 60)]
@@ -228,11 +228,22 @@ def test_shards_past_the_limit_are_written_oldest_first_and_all_of_them_finish(t
         finally:
             rooms[i].close()
 
-    threads = [threading.Thread(target=write, args=(i,)) for i in (2, 1, 0)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.2)  # the younger ones are waiting before the oldest begins
-    for thread in threads:
+    waited, real_wait = set(), kept.changed.wait
+
+    def wait(timeout=None):
+        waited.add(threading.current_thread().name)
+        return real_wait(timeout)
+
+    monkeypatch.setattr(kept.changed, "wait", wait)
+    threads = {i: threading.Thread(target=write, args=(i,), name=f"shard-{i}") for i in range(3)}
+    for i in (2, 1):
+        threads[i].start()
+    deadline = time.monotonic() + 30
+    while waited != {"shard-2", "shard-1"} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waited == {"shard-2", "shard-1"}, "the younger shards wait for room before the oldest begins"
+    threads[0].start()
+    for thread in threads.values():
         thread.join(30)
     assert not failures and ended == [(i, alone.digest) for i in range(3)]
     assert kept.used == 0
