@@ -100,25 +100,21 @@ def tmpfs_huge_pages(path: Path) -> tuple[str, str] | None:
     folder of it that exists), or None where it is not on tmpfs. Without huge pages the kernel writes a tmpfs file
     a 4 KiB page at a time: a shard's stream ran 2 x faster into tmpfs mounted with `huge=within_size` (through
     the shard writer on the 2-core CI machine, bench/huge_tmpfs_check.py)."""
+    import psutil
+
     path = Path(os.path.abspath(path))
     while not path.exists() and path != path.parent:
         path = path.parent
     path = path.resolve()
-    found = None
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                _, point, fstype, options = line.split()[:4]
-                point = point.replace("\\040", " ")
-                inside = path == Path(point) or Path(point) in path.parents
-                if inside and (found is None or len(point) >= len(found[0])):  # the last mounted over the rest
-                    found = point, fstype, options
-    except OSError:
+    holding = [mount for mount in psutil.disk_partitions(all=True)
+               if path == Path(mount.mountpoint) or Path(mount.mountpoint) in path.parents]
+    if not holding:
         return None
-    if found is None or found[1] != "tmpfs":
+    mount = max(reversed(holding), key=lambda m: len(m.mountpoint))  # the innermost; of equals, the last mounted
+    if mount.fstype != "tmpfs":
         return None
-    huge = [option.split("=", 1)[1] for option in found[2].split(",") if option.startswith("huge=")]
-    return found[0], huge[-1] if huge else "never"
+    huge = [option.split("=", 1)[1] for option in mount.opts.split(",") if option.startswith("huge=")]
+    return mount.mountpoint, huge[-1] if huge else "never"
 
 
 class DirectFile:
