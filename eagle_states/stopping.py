@@ -20,8 +20,8 @@ shutdown is waited for: on a model of hundreds of GB that alone takes longer tha
 from __future__ import annotations
 
 import os
-import signal
 import secrets
+import signal
 import sys
 import threading
 from contextlib import contextmanager

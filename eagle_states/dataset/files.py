@@ -207,7 +207,7 @@ def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Itera
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = stopping.temp_file(str(path.parent), prefix=f".{path.name}.", suffix=".tmp")  # removed by a stop
-    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes it 0600; a trainer's account must read the dataset
+    os.fchmod(fd, 0o666 & ~current_umask())  # made 0600, as mkstemp; a trainer's account must read the dataset
     try:
         with os.fdopen(fd, "wb", buffering=0) as raw:
             out = (DirectFile.open(tmp) if direct and not in_memory_filesystem(tmp) else None) or StreamingFile(raw)
