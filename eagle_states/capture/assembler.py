@@ -7,6 +7,7 @@ It reads nothing of vLLM; it relies on what the forward path hands it (`handoff.
   * Rows at positions >= the prompt length (decode) are never stored, except for a request captured while it
     generates: its rows are kept until the driver's `FinishGeneration` says how many make the sample (the driver
     runs it one step past its last token, so that token's row exists).
+A prompt too long for the pinned pool (`PinnedPool.fits`) is spilled: its rows go to a file as they come (`spill`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from eagle_states.capture import protocol as p
 from eagle_states.capture.handoff import CapturedSample, EndedShard, OpenShard, PartialSample, ShardPlan, Step
 from eagle_states.capture.protocol import CaptureError
+from eagle_states.capture.spill import SpillFile
 
 if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
@@ -50,10 +52,11 @@ class Assembler:
         self.sample_ready = threading.Condition()  # a sample was completed, or writing must stop
         self.captured: dict[str, tuple[int, int]] = {}  # sample id -> (tokens, ids crc), until its shard ends
         self.open_shards: dict[str, OpenShard] = {}  # shard path -> between its markers
+        self.spill_to: dict[str, str] = {}  # sample id -> its shard's path, for samples too long to hold
         self.finished: dict[str, EndedShard] = {}  # shard path -> until the driver's poll reports it
         self.stopping = False  # set by `discard`: writers waiting for samples give up
         self.failure: BaseException | None = None
-        self.rows = self.decode_rows_dropped = self.generated_rows = 0
+        self.rows = self.decode_rows_dropped = self.generated_rows = self.spilled_bytes = 0
         self._handlers = {Step: self._assemble, p.BeginShard: self._begin_shard, p.EndShard: self._end_shard,
                           p.FinishGeneration: self._finish_generation}
         self.thread = threading.Thread(target=self._loop, name="eagle-assembler", daemon=True)
@@ -95,6 +98,8 @@ class Assembler:
                     raise CaptureError(f"sample {sample_id}: first rows start at position {first}, not 0 "
                                        "(prefix caching skipped cached rows? it must be off)")
                 sample = self.partial[sample_id] = PartialSample()
+                if sample_id in self.spill_to and step.states is not None and not generating:
+                    sample.spill = SpillFile(self.spill_to[sample_id], len(step.states), prompt_len)
             elif first != sample.next:
                 raise CaptureError(f"sample {sample_id}: rows resume at position {first}, expected {sample.next}")
             keep = end if generating else min(end, start + prompt_len - first)  # decode rows are never stored
@@ -109,20 +114,27 @@ class Assembler:
             else:
                 sample.ids.append(step.input_ids[start:keep].clone())
             if step.states is not None and not generating:
-                sample.chunks.append([s[start:keep] for s in step.states])  # views: no copy
-                if step.block is not None:
-                    self.pinned.hold(step.block)
-                    sample.blocks.append(step.block)
+                pieces = [s[start:keep] for s in step.states]  # views: no copy
+                if sample.spill is not None:
+                    sample.spill.add(first, pieces)  # the block goes back with the step's own reference
+                else:
+                    sample.chunks.append(pieces)
+                    if step.block is not None:
+                        self.pinned.hold(step.block)
+                        sample.blocks.append(step.block)
             sample.next += keep - start
             self.rows += keep - start
             if generating:  # rows of generated tokens (positions past the prompt)
                 self.generated_rows += max(0, first + keep - start - max(prompt_len, first))
             if not generating and sample.next == prompt_len:
                 del self.partial[sample_id]
-                self._complete(sample_id, CapturedSample(torch.cat(sample.ids), sample.chunks, sample.blocks))
+                self._complete(sample_id, CapturedSample(torch.cat(sample.ids), sample.chunks, sample.blocks,
+                                                         sample.spill))
 
     def _complete(self, sample_id: str, sample: CapturedSample):
         self.captured[sample_id] = (len(sample.ids), zlib.crc32(sample.ids.numpy().tobytes()))
+        if sample.spill is not None:
+            self.spilled_bytes += sample.spill.bytes
         with self.sample_ready:
             self.complete[sample_id] = sample
             self.sample_ready.notify_all()
@@ -137,7 +149,7 @@ class Assembler:
         if sample is None:
             raise CaptureError(f"generation {key}: finished, but none of its rows were captured")
         if sample_id is None:
-            self.pinned.release(sample.blocks)
+            sample.forget(self.pinned)
             return
         if sample.next < num_tokens:
             raise CaptureError(f"generation {key} (sample {sample_id}): {sample.next} rows captured, the sample "
@@ -154,6 +166,12 @@ class Assembler:
         so that at a run's end only the last step's samples are left to write."""
         plan = ShardPlan(call.sample_ids, dict(zip(call.sample_ids, call.num_tokens)),
                          dict(zip(call.sample_ids, call.loss_masks)), call.codec)
+        if self.shards is not None:
+            spilled = [sid for sid, n in plan.num_tokens.items() if not self.pinned.fits(n)]
+            if spilled and call.codec.enabled:  # the driver refuses these first (`check_host_buffer`)
+                raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the "
+                                   f"host buffer, and samples are spilled uncompressed only (codec {call.codec.name})")
+            self.spill_to.update((sid, call.path) for sid in spilled)
         future = self.shards.submit(call.path, plan, self.take_complete) if self.shards is not None else None
         self.open_shards[call.path] = OpenShard(plan, future)
 
@@ -165,6 +183,8 @@ class Assembler:
                                f"(first: {missing[:3]}; partial: {sorted(self.partial)[:3]})")
         del self.open_shards[call.path]
         summary = {sid: self.captured.pop(sid) for sid in shard.plan.sample_ids}
+        for sid in shard.plan.sample_ids:
+            self.spill_to.pop(sid, None)
         if self.shards is None:
             with self.sample_ready:
                 for sid in shard.plan.sample_ids:
@@ -208,12 +228,10 @@ class Assembler:
             if shard.future is not None:
                 shard.future.exception()  # wait for writers to stop before their samples are released
         dropped = sorted(self.partial) + sorted(self.complete)
-        for partial in self.partial.values():
-            self.pinned.release(partial.blocks)
-        for sample in self.complete.values():
+        for sample in (*self.partial.values(), *self.complete.values()):
             sample.forget(self.pinned)
         for table in (self.partial, self.complete, self.captured, self.generation_ended, self.open_shards,
-                      self.finished):
+                      self.finished, self.spill_to):
             table.clear()
         self.stopping, self.failure = False, None
         return dropped

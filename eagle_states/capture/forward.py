@@ -35,7 +35,7 @@ import torch
 
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture import protocol as p
-from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest, pinned_blocks
+from eagle_states.capture.handoff import PinnedBlock, Step, StepRequest, fits_host_buffer, pinned_blocks
 from eagle_states.capture.protocol import (GENERATING_KEY, SAMPLE_ID_KEY, CaptureError, UnsupportedModelError,
                                            UnsupportedRunnerError)
 from eagle_states.dataset.codec import NVCOMP_CODECS, Codec
@@ -161,8 +161,9 @@ class PinnedPool:
     """Pinned host blocks for steps in flight (CUDA), reused: pinning memory per step is slow. Taken by the forward
     thread (by the assembler for nvCOMP codecs' steps), given back by the assembler and the writers."""
 
-    def __init__(self, num_states: int, max_num_tokens: int, budget_bytes: int):
+    def __init__(self, num_states: int, max_num_tokens: int, budget_bytes: int, row_bytes: int):
         self.num_states, self.max_num_tokens, self.budget_bytes = num_states, max_num_tokens, budget_bytes
+        self.row_bytes = row_bytes  # a captured row's states, every layer: what `fits` sizes samples by
         self.free: queue.Queue[PinnedBlock] = queue.Queue()
         self.allocated = 0
         self.lock = threading.Lock()
@@ -178,6 +179,10 @@ class PinnedPool:
             while self.allocated < limit:
                 self.free.put(PinnedBlock(torch.empty(capacity, dtype=torch.uint8, pin_memory=True)))
                 self.allocated += 1
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sample of `num_tokens` prompt rows is held here until complete (else it is spilled)."""
+        return fits_host_buffer(num_tokens, self.budget_bytes, self.row_bytes, self.max_num_tokens)
 
     def take(self, stacked: torch.Tensor, nbytes: int) -> PinnedBlock:
         """A block (bytes) for a step of `stacked`'s width and dtype, holding `nbytes` (the step as copied: its
@@ -310,10 +315,13 @@ class ForwardCapture:
         self.active = False
         self.slots: dict[int, torch.Tensor] = {}  # layer id -> stream captured in this step
         self.is_cuda = torch.device(runner.device).type == "cuda"
-        self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens, setup.host_buffer_bytes)
         dtype = getattr(runner, "dtype", None)  # the states' (the model's activations')
-        if self.is_cuda and writer and self.hidden_size and isinstance(dtype, torch.dtype):
-            self.pinned.reserve(self.hidden_size * dtype.itemsize * len(self.layer_ids))
+        if not isinstance(dtype, torch.dtype):
+            dtype = runner.model_config.dtype
+        row_bytes = setup.hidden_size * dtype.itemsize * len(self.layer_ids)
+        self.pinned = PinnedPool(len(self.layer_ids), runner.max_num_tokens, setup.host_buffer_bytes, row_bytes)
+        if self.is_cuda and writer:
+            self.pinned.reserve(row_bytes)
         # the codec of the shard whose steps come next (`BeginShard`; a step holds rows of one shard only)
         self.codec = Codec()
         self.launched: list[str] = []  # samples whose last prompt rows were launched, until the driver's next poll

@@ -13,6 +13,7 @@ from eagle_states.dataset.codec import Codec
 
 if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
+    from eagle_states.capture.spill import SpillFile
 
 
 def pinned_blocks(budget_bytes: int, row_bytes: int, max_num_tokens: int) -> tuple[int, int]:
@@ -24,9 +25,16 @@ def pinned_blocks(budget_bytes: int, row_bytes: int, max_num_tokens: int) -> tup
 
 
 def blocks_held(num_tokens: int, max_num_tokens: int) -> int:
-    """The pinned blocks a sample of `num_tokens` prompt rows can hold at once while it is captured: every step
-    its rows span (it is written once complete), and the next step's."""
+    """The pinned blocks a sample of `num_tokens` prompt rows can hold at once while it is captured in memory:
+    every step its rows span (it is written once complete), and the next step's."""
     return -(-num_tokens // max_num_tokens) + 2
+
+
+def fits_host_buffer(num_tokens: int, budget_bytes: int, row_bytes: int, max_num_tokens: int) -> bool:
+    """Whether a sample is held in the pinned pool from its first step to its last; one that is not would wait
+    forever for room, so its rows go to a spill file as they are captured (`spill`). The driver and the capture
+    worker both decide by this."""
+    return blocks_held(num_tokens, max_num_tokens) <= pinned_blocks(budget_bytes, row_bytes, max_num_tokens)[1]
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +83,13 @@ class PartialSample:
     ids: list[torch.Tensor] = field(default_factory=list)
     chunks: list[list[torch.Tensor]] = field(default_factory=list)  # per step: a piece per layer
     blocks: list[PinnedBlock] = field(default_factory=list)  # the pinned blocks `chunks` are views of
+    spill: SpillFile | None = None  # where its rows go instead (a sample too long for the pinned pool)
+
+    def forget(self, pinned: PinnedPool) -> None:
+        """An abandoned sample's pinned blocks back, its spill file removed."""
+        pinned.release(self.blocks)
+        if self.spill is not None:
+            self.spill.close()
 
 
 @dataclass(slots=True, eq=False)
@@ -83,12 +98,22 @@ class CapturedSample:
     ids: torch.Tensor
     chunks: list[list[torch.Tensor]] | None  # per piece: a tensor per layer; None once its blocks are given back
     blocks: list[PinnedBlock]
+    spill: SpillFile | None = None  # its states instead of `chunks`, for a sample too long for the pinned pool
+
+    def state_width_and_dtype(self) -> tuple[int, torch.dtype]:
+        """Its hidden states' width and dtype (a step codec's: the states it encoded)."""
+        if self.spill is not None:
+            return self.spill.width, self.spill.dtype
+        like = self.chunks[0][0]
+        return like.shape[-1], like.dtype
 
     def forget(self, pinned: PinnedPool) -> None:
-        """Hand a written (or abandoned) sample's pinned blocks back, once."""
+        """Hand a written (or abandoned) sample's pinned blocks back and remove its spill file, once."""
         if self.chunks is not None:
             self.chunks = None
             pinned.release(self.blocks)
+            if self.spill is not None:
+                self.spill.close()
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -131,6 +131,7 @@ class StatsReply(Message):
     encode_s: float  # the writer threads' time in compressing them (summed over threads)
     device_encoded_bytes: int = 0  # hidden-state bytes a step codec encoded on the device (extract.codec)
     device_encode_s: float = 0.0  # the device's time in encoding them (CUDA events; host time on the CPU build)
+    spilled_bytes: int = 0  # states of samples too long for the host buffer, written to spill files (`spill`)
     # the shard writer threads' time, summed over them: in shards, and of it waiting for samples, hashing, and
     # waiting for the file's writes (`shard_writer.ShardWriter`)
     writer_shard_s: float = 0.0

@@ -56,11 +56,10 @@ class ShardWriter:
             order = shard_sample_order(plan.sample_ids)
             first, waited = self._take(take, order[0])
             try:
-                like = first.chunks[0][0]  # the stream's dtype and width, from the first captured piece
+                width, dtype = first.state_width_and_dtype()  # the stream's, from the first captured rows
                 specs = {}
                 for sid in order:
-                    specs.update(sample_tensor_specs(sid, plan.num_tokens[sid], self.num_states, like.shape[-1],
-                                                     like.dtype))
+                    specs.update(sample_tensor_specs(sid, plan.num_tokens[sid], self.num_states, width, dtype))
                 # a step codec's states of a sample framed at once (a copy and a CRC-32 each), so that the run's
                 # last samples reach the file sooner; a CPU codec keeps to its threads (`extract.codec_threads`)
                 framing = self.num_states if plan.codec.on_device else 1
@@ -103,6 +102,14 @@ class ShardWriter:
             raise CaptureError(f"sample {sample_id}: loss mask of {len(mask)} for {len(sample.ids)} tokens")
         tensors = {key_input_ids(sample_id): [sample.ids.to(torch.int32)],
                    key_loss_mask(sample_id): [torch.tensor(mask, dtype=torch.uint8)]}
-        for slot in range(self.num_states):
-            tensors[key_hidden_state(sample_id, slot)] = [chunk[slot] for chunk in sample.chunks]
-        out.write_many({name: tensors[name] for name in sorted(tensors)})
+        if sample.spill is None:
+            for slot in range(self.num_states):
+                tensors[key_hidden_state(sample_id, slot)] = [chunk[slot] for chunk in sample.chunks]
+            out.write_many({name: tensors[name] for name in sorted(tensors)})
+            return
+        spilled = {key_hidden_state(sample_id, slot): slot for slot in range(self.num_states)}
+        for name in sorted([*tensors, *spilled]):  # the file's order, each state read back as it is written
+            if name in spilled:
+                out.write_streamed(name, sample.spill.pieces(spilled[name]))
+            else:
+                out.write_many({name: tensors[name]})

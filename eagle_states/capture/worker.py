@@ -95,7 +95,8 @@ class _Capture:
         clock.restart()
         return p.StatsReply(
             steps=forward.steps, rows=assembler.rows, decode_rows_dropped=assembler.decode_rows_dropped,
-            generated_rows=assembler.generated_rows, pinned_wait_s=forward.pinned.wait_s,
+            generated_rows=assembler.generated_rows, spilled_bytes=assembler.spilled_bytes,
+            pinned_wait_s=forward.pinned.wait_s,
             last_forward_end=forward.last_forward_end(), backlog_bytes=forward.backlog_bytes,
             last_sample_taken=self.shards.last_taken if self.shards else 0.0,
             last_shard_written=self.shards.last_written if self.shards else 0.0, forwards=clock.forwards,

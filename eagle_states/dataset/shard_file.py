@@ -12,6 +12,7 @@ import struct
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -188,11 +189,37 @@ class ShardFileWriter:
         while self._writes and (not self.codec.enabled or self._writes[0].done()):
             self._wait_for_write(self._writes.pop(0))
 
-    def _check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
-        """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
+    def write_streamed(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
+        """The next tensor in key order, uncompressed, from pieces made while it is written (a spilled sample's
+        state read back from its file, `capture.spill`): each is dropped once written, so that two at most are in
+        memory whatever the tensor's size."""
+        self._check_name(self._next, name)
+        if self.codec.enabled:  # its tensors are kept for the digest, taken at the end
+            raise ValueError(f"{self.path.name}: {name}: a shard stored with {self.codec.name} cannot stream a tensor")
+        written = 0
+        for piece in pieces:
+            data = piece.contiguous().view(torch.uint8).numpy()
+            written += data.nbytes
+            if piece.dtype != self.dtypes[name] or written > self.nbytes[name]:
+                raise ValueError(f"{self.path.name}: {name} got {written:,} bytes or more of {piece.dtype}, the "
+                                 f"header says {self.nbytes[name]:,} bytes of {self.dtypes[name]}")
+            self._put(data)
+            while len(self._writes) > 1:
+                self._wait_for_write(self._writes.pop(0))
+        if written != self.nbytes[name]:
+            raise ValueError(f"{self.path.name}: {name} got {written:,} bytes, the header says {self.nbytes[name]:,}")
+        self._next += 1
+        while self._writes:
+            self._wait_for_write(self._writes.pop(0))
+
+    def _check_name(self, index: int, name: str) -> None:
         expected = self.order[index] if index < len(self.order) else None
         if name != expected:
             raise ValueError(f"{self.path.name}: tensor {name} written where {expected} comes next")
+
+    def _check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
+        """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
+        self._check_name(index, name)
         if self.codec.on_device and self.codec.encodes(self.dtypes[name]):
             rows = sum(p.rows for p in pieces)
             if rows != self.specs[name][1][0]:

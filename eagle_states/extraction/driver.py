@@ -21,7 +21,7 @@ from typing import Callable
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings
 from eagle_states.capture.worker_calls import ShardJob, ShardResult
-from eagle_states.capture.handoff import blocks_held, pinned_blocks
+from eagle_states.capture.handoff import blocks_held, fits_host_buffer, pinned_blocks
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.capture_format import (CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION,
@@ -179,6 +179,7 @@ class CaptureConfig:
         self.dtype = resolved_dtype(text_config, params.extract.dtype)
         e = params.extract
         self.codec = Codec(e.codec, e.codec_level, e.codec_threads)
+        self.told_spilled = False  # the spill warning is said once (`check_host_buffer`)
         self.out = Path(params.output.dir)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
                               "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {}),
@@ -335,22 +336,33 @@ class Extraction(CaptureConfig):
         raise NoRoomError(errno.ENOSPC, message)
 
     def check_host_buffer(self, shards: list[PlannedShard]) -> None:
-        """Refuse, before any model load, a sample whose states cannot fit the capture's host buffer: its steps
-        are held there from its first to its last (its shard is written sample by sample), so the capture
-        would wait forever for room. Host memory is the setting's, whatever the samples' length."""
+        """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their
+        last: `handoff.fits_host_buffer`) are spilled, their rows written to a file beside their shard as they are
+        captured and read back when the shard's file reaches them. Uncompressed only: with a codec such a sample
+        is refused here, before any model load. Host memory is the setting's, whatever the samples' length."""
         e = self.params.extract
         row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
-        block, blocks = pinned_blocks(int(e.host_buffer_gb * 2**30), row_bytes, e.max_num_batched_tokens)
-        longest = max((s for shard in shards for s in shard.samples), key=lambda s: len(s.input_ids), default=None)
-        if longest is None or blocks_held(len(longest.input_ids), e.max_num_batched_tokens) <= blocks:
+        budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
+        spilled = [s for shard in shards for s in shard.samples
+                   if not fits_host_buffer(len(s.input_ids), budget, row_bytes, steps)]
+        if not spilled:
             return
-        needed = blocks_held(len(longest.input_ids), e.max_num_batched_tokens) * block / 2**30
-        raise HostBufferTooSmall(
-            f"sample {longest.sample_id} (input row {longest.source_row}): {len(longest.input_ids):,} tokens x "
-            f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
-            f"capture's host buffer until its last step, in steps of {e.max_num_batched_tokens:,} tokens: it needs "
-            f"{needed:.3g} GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}; raise it, or lower "
-            "prepare.max_length")
+        longest = max(spilled, key=lambda s: len(s.input_ids))
+        needed = blocks_held(len(longest.input_ids), steps) * pinned_blocks(budget, row_bytes, steps)[0] / 2**30
+        what = (f"sample {longest.sample_id} (input row {longest.source_row}): {len(longest.input_ids):,} tokens x "
+                f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
+                f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
+                f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
+        if self.codec.enabled:
+            raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed only, "
+                                     f"not with extract.codec {self.codec.name}: raise it, lower prepare.max_length, "
+                                     "or set extract.codec none")
+        if not self.told_spilled:
+            self.told_spilled = True
+            total = sum(len(shard.samples) for shard in shards)
+            log.warning("samples too long for the capture's host buffer go through spill files beside their shards "
+                        "(their states written and read once more): %d of %d. The longest: %s; raise it to keep "
+                        "them in memory", len(spilled), total, what)
 
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)

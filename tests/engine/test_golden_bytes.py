@@ -109,6 +109,24 @@ def test_the_capture_writes_the_pinned_bytes(extracted, dtype, codec):
         f"digests: {digests}")
 
 
+def test_samples_spilled_past_a_tiny_host_buffer_give_the_same_shards(extracted, llama_model):
+    """A 4-block host buffer (the least) holds samples of up to 2 steps (128 tokens): the 3 longer ones go through
+    spill files, and every shard's bytes are those of the run that held them all in memory."""
+    tmp, prompts = extracted
+    params = extraction_params(llama_model, prompts, tmp / "spilled", dtype="float32", codec="none",
+                               **{**SETTINGS, "host_buffer_gb": 0.0001})
+    engines = EngineHolder()
+    try:
+        run_extraction(Extraction(params), progress=False, engines=engines)
+        spilled_bytes = engines.engine.capture_stats().spilled_bytes
+    finally:
+        engines.close()
+    assert spilled_bytes == (190 + 129 + 150) * 4 * 256 * 4  # rows x captured layers x hidden x float32
+    assert [s["blake3"] for s in read_manifest(tmp / "spilled")["shards"]] == \
+        [s["blake3"] for s in read_manifest(tmp / "float32-none")["shards"]]
+    assert not [p.name for p in (tmp / "spilled" / "shards").iterdir() if p.name.startswith(".")]
+
+
 @pytest.mark.parametrize("dtype, codec", RELEASED_BEFORE_THE_FORMAT)
 def test_a_dataset_of_the_release_before_the_declared_format_is_reused_whole(extracted, llama_model, tmp_path,
                                                                              dtype, codec):

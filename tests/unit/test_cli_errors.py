@@ -82,20 +82,32 @@ def test_a_dataset_that_does_not_fit_is_refused_before_the_model_loads(workdir, 
     assert not (workdir / "ds").exists()
 
 
-def test_a_sample_too_long_for_the_host_buffer_is_refused_before_the_model_loads(workdir, capsys, llama_model):
-    """The capture's host memory is extract.host_buffer_gb whatever the samples' length: a sample that cannot fit
-    would wait forever for room, so it is named at once (a tiny buffer still has 4 steps of room)."""
+def test_a_sample_too_long_for_the_host_buffer_is_spilled_or_with_a_codec_refused_before_the_model_loads(
+        workdir, capsys, llama_model):
+    """The capture's host memory is extract.host_buffer_gb whatever the samples' length: a sample whose steps
+    cannot all fit goes through a spill file, which stores states uncompressed only, so with a codec it is named at
+    once (a tiny buffer still has 4 steps of room)."""
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 129, [5] * 90])
     (workdir / "small.yaml").write_text("extract:\n  host_buffer_gb: 0.0001\n  max_num_batched_tokens: 64\n")
     line = fails(capsys, "extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows),
-                 "--out", "ds", "--dtype", "float32")
+                 "--out", "ds", "--dtype", "float32", "--codec", "blosc2-zstd")
     assert "sample p001 (input row 2): 129 tokens x 4 layers x hidden 256 x float32" in line
-    assert "in steps of 64 tokens: it needs 0.00612 GiB, extract.host_buffer_gb is 0.0001; raise it" in line
+    assert "in steps of 64 tokens: it needs 0.00612 GiB, extract.host_buffer_gb is 0.0001" in line
+    assert line.endswith("spilled to the disk uncompressed only, not with extract.codec blosc2-zstd: raise it, "
+                         "lower prepare.max_length, or set extract.codec none")
     assert not (workdir / "ds").exists()
+    with pytest.raises(AssertionError, match="an engine was started"):  # uncompressed: spilled, on to the engine
+        main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
+              "--dtype", "float32"])
+    told = [line for line in capsys.readouterr().err.splitlines() if "spill files" in line]
+    assert len(told) == 1 and "host buffer go through spill files beside their shards (their states written and " \
+        "read once more): 1 of 3. The longest: sample p001 (input row 2): 129 tokens" in told[0]
+    assert told[0].endswith("extract.host_buffer_gb is 0.0001; raise it to keep them in memory")
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 128, [5] * 90])
     with pytest.raises(AssertionError, match="an engine was started"):  # 128 tokens fit: on to the engine
         main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
-              "--dtype", "float32"])
+              "--dtype", "float32", "--codec", "blosc2-zstd"])
+    assert "spill files" not in capsys.readouterr().err
 
 
 def test_errors_that_stay_are_not_retried():

@@ -77,7 +77,8 @@ def test_the_captures_shard_writers_past_their_limit_write_the_same_shards_and_g
         return CapturedSample(torch.arange(n), chunks, [])
 
     def write(limit):
-        writer = ShardWriter(3, write_threads=3, pinned=PinnedPool(3, 64, 1 << 20), kept_limit=limit)
+        writer = ShardWriter(3, write_threads=3, pinned=PinnedPool(3, 64, 1 << 20, 3 * 64 * 2),
+                             kept_limit=limit)
         futures = []
         for k in range(4):  # four shards of two samples, all submitted before any is written
             ids = [f"s{2 * k}", f"s{2 * k + 1}"]
