@@ -267,6 +267,8 @@ class _Bench:
                "encode_s": after.encode_s - before.encode_s,
                "device_encoded_bytes": after.device_encoded_bytes - before.device_encoded_bytes,
                "device_encode_s": after.device_encode_s - before.device_encode_s,
+               # states of samples too long for the host buffer, through spill files (`capture.spill`)
+               "spilled_gb": (after.spilled_bytes - before.spilled_bytes) / 1e9,
                # the writer threads' time (summed over them): in shards, waiting for samples, hashing, waiting for
                # the file's writes; the rest of it is framing or encoding, opening and committing
                **{f"writers_{key}": getattr(after, f"writer_{key}") - getattr(before, f"writer_{key}")
@@ -342,7 +344,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
             "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb",
             "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer",
-            "encode_gb_s_device", *(f"writers_{key}" for key in WRITER_TIMES))}
+            "encode_gb_s_device", "spilled_gb", *(f"writers_{key}" for key in WRITER_TIMES))}
         captures[codec]["shards"] = rows[0]["shards"]
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
     plain_tok_s = statistics.median(r["plain_tok_s"] for r in rounds_out)
@@ -426,6 +428,9 @@ def format_result(result: dict) -> str:
             f"  the disk alone ({result['disk_write_gb_s']:.2f} GB/s) allows at most {c['disk_bound_ratio']:.3f} x "
             f"plain prefill at these bytes/token",
         ]
+        if c["spilled_gb_median"]:
+            lines.append(f"  {c['spilled_gb_median']:.2f} GB of states went through spill files (samples too long "
+                         f"for extract.host_buffer_gb {result['host_buffer_gb']:g}): written and read once more")
     lines += [
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s ({result['write_threads']} files at once, as many as the "
         f"writer threads)",

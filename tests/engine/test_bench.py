@@ -43,6 +43,7 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
             assert 0 <= c["setup_s"] < c["capture_s"] and 0 <= c["drain_s"] < c["capture_s"]
             assert c["forward_stalled_s"] == 0  # no pinned host buffers on the CPU build
             assert c["drain_backlog_gb"] == 0  # (nor a backlog in them)
+            assert c["spilled_gb"] == 0  # samples of 40 tokens fit 8 GiB
             # the last sample reaches its writer after the last step, its shard is written after that and recorded
             # by the driver (its receipt) before the index and the manifest
             assert (0 <= c["drain_assembled_s"] <= c["drain_writes_s"] <= c["drain_recorded_s"] <= c["drain_s"]
