@@ -166,8 +166,9 @@ class Assembler:
         so that at a run's end only the last step's samples are left to write."""
         plan = ShardPlan(call.sample_ids, dict(zip(call.sample_ids, call.num_tokens)),
                          dict(zip(call.sample_ids, call.loss_masks)), call.codec)
-        if self.shards is not None:
-            spilled = [sid for sid, n in plan.num_tokens.items() if not self.pinned.fits(n)]
+        if self.shards is not None:  # (samples captured while generating are complete by now, held as copies)
+            spilled = [sid for sid, n in plan.num_tokens.items()
+                       if not self.pinned.fits(n) and sid not in self.captured]
             if spilled and call.codec.enabled:  # the driver refuses these first (`check_host_buffer`)
                 raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the "
                                    f"host buffer, and samples are spilled uncompressed only (codec {call.codec.name})")

@@ -248,3 +248,19 @@ def test_truncated_turns_can_drop_their_conversation(setup):
     samples, conversations = read_regenerated(Path(params.regenerate.out))
     assert all(c["truncated_turns"] == 0 for c in conversations)
     assert all(ids[-1] in {1, setup["stop"]} for ids in samples.input_ids)
+
+
+def test_samples_captured_while_generating_are_held_as_copies_and_never_spilled(setup):
+    """Their rows are copied out of each step (no pinned block is kept), so a host buffer too small for them
+    spills nothing and refuses nothing, even with a codec (which a spilled sample cannot have)."""
+    params = regenerate_params(setup["model"], setup["data"], setup["tmp"], "tiny-buffer").override(
+        {"extract.host_buffer_gb": 0.0001, "extract.codec": "blosc2-zstd"})
+    setup["engines"].close()  # the host buffer is the engine's: another one, and two do not fit this machine
+    engines = EngineHolder()
+    try:
+        outcome = stages.regenerate(params, engines=engines)
+        assert outcome.shards_captured > 0 and engines.engine.capture_stats().spilled_bytes == 0
+        stages.extract(params, engines=engines)
+    finally:
+        engines.close()
+    assert stages.validate(params).valid

@@ -79,4 +79,5 @@ def test_the_spill_rule_is_the_pinned_pools():
     row = STATES * WIDTH * 2
     assert fits_host_buffer(2 * STEP, 1, row, STEP) and not fits_host_buffer(2 * STEP + 1, 1, row, STEP)
     block = row * STEP + row * STEP // 64 + (1 << 20)
-    assert fits_host_buffer(8 * STEP, 10 * block, row, STEP) and not fits_host_buffer(8 * STEP + 1, 10 * block, row, STEP)
+    assert fits_host_buffer(8 * STEP, 10 * block, row, STEP)
+    assert not fits_host_buffer(8 * STEP + 1, 10 * block, row, STEP)
