@@ -3,6 +3,7 @@ and leaves no output behind."""
 
 import errno
 import json
+import logging
 import shutil
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from eagle_states.capture.engine import CaptureEngine
 from eagle_states.cli import main
 from eagle_states.coordination.retry import is_permanent
-from helpers import model_too_big_for_the_disk, write_prompt_jsonl
+from eagle_states.extraction.driver import Extraction
+from helpers import extraction_params, model_too_big_for_the_disk, write_prompt_jsonl
 
 
 @pytest.fixture
@@ -83,12 +85,28 @@ def test_a_dataset_that_does_not_fit_is_refused_before_the_model_loads(workdir, 
 
 
 def test_a_sample_too_long_for_the_host_buffer_is_spilled_or_with_a_codec_refused_before_the_model_loads(
-        workdir, capsys, llama_model):
+        workdir, capsys, caplog, llama_model):
     """The capture's host memory is extract.host_buffer_gb whatever the samples' length: a sample whose steps
     cannot all fit goes through a spill file, which stores states uncompressed only, so with a codec it is named at
     once (a tiny buffer still has 4 steps of room)."""
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 129, [5] * 90])
+    # what an uncompressed run says, once (the check runs before the engine starts and again in the run); read
+    # before the command line runs, which hands the root logger to Prefect's handlers
+    extraction = Extraction(extraction_params(llama_model, rows, workdir / "ds", dtype="float32",
+                                              host_buffer_gb=0.0001, max_num_batched_tokens=64))
+    with caplog.at_level(logging.WARNING):
+        extraction.check_host_buffer(extraction.unfinished())
+        extraction.check_host_buffer(extraction.unfinished())
+    told = [r.getMessage() for r in caplog.records if "spill files" in r.getMessage()]
+    assert len(told) == 1 and "host buffer go through spill files beside their shards (their states written and " \
+        "read once more): 1 of 3. The longest: sample p001 (input row 2): 129 tokens" in told[0]
+    assert told[0].endswith("extract.host_buffer_gb is 0.0001; raise it to keep them in memory")
     (workdir / "small.yaml").write_text("extract:\n  host_buffer_gb: 0.0001\n  max_num_batched_tokens: 64\n")
+    with pytest.raises(AssertionError, match="an engine was started"):  # uncompressed: spilled, on to the engine
+        main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
+              "--dtype", "float32"])
+    shutil.rmtree(workdir / "ds", ignore_errors=True)
+    capsys.readouterr()  # its lines
     line = fails(capsys, "extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows),
                  "--out", "ds", "--dtype", "float32", "--codec", "blosc2-zstd")
     assert "sample p001 (input row 2): 129 tokens x 4 layers x hidden 256 x float32" in line
@@ -96,18 +114,10 @@ def test_a_sample_too_long_for_the_host_buffer_is_spilled_or_with_a_codec_refuse
     assert line.endswith("spilled to the disk uncompressed only, not with extract.codec blosc2-zstd: raise it, "
                          "lower prepare.max_length, or set extract.codec none")
     assert not (workdir / "ds").exists()
-    with pytest.raises(AssertionError, match="an engine was started"):  # uncompressed: spilled, on to the engine
-        main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
-              "--dtype", "float32"])
-    told = [line for line in capsys.readouterr().err.splitlines() if "spill files" in line]
-    assert len(told) == 1 and "host buffer go through spill files beside their shards (their states written and " \
-        "read once more): 1 of 3. The longest: sample p001 (input row 2): 129 tokens" in told[0]
-    assert told[0].endswith("extract.host_buffer_gb is 0.0001; raise it to keep them in memory")
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 128, [5] * 90])
     with pytest.raises(AssertionError, match="an engine was started"):  # 128 tokens fit: on to the engine
         main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
               "--dtype", "float32", "--codec", "blosc2-zstd"])
-    assert "spill files" not in capsys.readouterr().err
 
 
 def test_errors_that_stay_are_not_retried():
