@@ -85,6 +85,8 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
   hugetmpfs)  # tmpfs with huge pages against /dev/shm as mounted: the shard writer alone (bench/huge_tmpfs_check.py),
               # then the into-RAM capture into each, one process each (plain prefill beside it in both)
     python3 bench/huge_tmpfs_check.py 2>&1 | tee "$OUT/huge_tmpfs_check.txt" | grep "^TMPFS\|cannot"
+    # and whether tmpfs's page allocation can be taken off the writes' path (on the CPU machine: no, end to end)
+    python3 bench/tmpfs_fallocate_check.py /dev/shm --gb 4 2>&1 | tee "$OUT/fallocate_check.txt"
     make_dsv3
     bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds ${ROUNDS:-2} \
         --codecs none
