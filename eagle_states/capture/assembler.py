@@ -99,7 +99,7 @@ class Assembler:
                                        "(prefix caching skipped cached rows? it must be off)")
                 sample = self.partial[sample_id] = PartialSample()
                 if sample_id in self.spill_to and step.states is not None and not generating:
-                    sample.spill = SpillFile(self.spill_to[sample_id], len(step.states), prompt_len)
+                    sample.spill = SpillFile(self.spill_to[sample_id], prompt_len)
             elif first != sample.next:
                 raise CaptureError(f"sample {sample_id}: rows resume at position {first}, expected {sample.next}")
             keep = end if generating else min(end, start + prompt_len - first)  # decode rows are never stored

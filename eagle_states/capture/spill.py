@@ -20,11 +20,11 @@ class SpillFile:
     """One sample's states, [num_tokens, width] per captured layer, in a temp file named after its shard (so that
     a crashed run's is removed like the shard's own temp file)."""
 
-    def __init__(self, shard_path: str, num_states: int, num_tokens: int):
+    def __init__(self, shard_path: str, num_tokens: int):
         directory, name = os.path.split(shard_path)
         os.makedirs(directory, exist_ok=True)
         self.fd, self.path = stopping.temp_file(directory, f".{name}.spill-", ".tmp")
-        self.num_states, self.num_tokens = num_states, num_tokens
+        self.num_tokens = num_tokens
         self.dtype: torch.dtype | None = None  # the states', from the first rows added
         self.width = self.row_bytes = 0
         self.bytes = 0  # written so far

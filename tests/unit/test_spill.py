@@ -30,7 +30,7 @@ def write(tmp_path, name: str, samples: dict[str, torch.Tensor], spilled: set[st
         states, n = samples[sample_id], samples[sample_id].shape[1]
         if sample_id not in spilled:
             return CapturedSample(torch.arange(n), [pieces for _, pieces in steps_of(states)], [])
-        spilling = SpillFile(path, STATES, n)
+        spilling = SpillFile(path, n)
         for first, pieces in steps_of(states):
             spilling.add(first, pieces)
         assert spilling.bytes == states.numel() * states.element_size()
@@ -56,7 +56,7 @@ def test_a_spilled_sample_gives_the_bytes_of_one_held_in_memory(tmp_path, monkey
 
 
 def test_an_abandoned_spill_file_goes(tmp_path):
-    spilling = SpillFile(str(tmp_path / "shard-00000.safetensors"), STATES, 100)
+    spilling = SpillFile(str(tmp_path / "shard-00000.safetensors"), 100)
     spilling.add(0, list(torch.zeros(STATES, STEP, WIDTH)))
     assert [p.name.startswith(".shard-00000.safetensors.spill-") for p in tmp_path.iterdir()] == [True]
     CapturedSample(torch.arange(100), [], [], spilling).forget(PinnedPool(STATES, STEP, 1 << 20, 1))
