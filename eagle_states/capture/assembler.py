@@ -114,14 +114,7 @@ class Assembler:
             else:
                 sample.ids.append(step.input_ids[start:keep].clone())
             if step.states is not None and not generating:
-                pieces = [s[start:keep] for s in step.states]  # views: no copy
-                if sample.spill is not None:
-                    sample.spill.add(first, pieces)  # the block goes back with the step's own reference
-                else:
-                    sample.chunks.append(pieces)
-                    if step.block is not None:
-                        self.pinned.hold(step.block)
-                        sample.blocks.append(step.block)
+                sample.add_states(step, start, keep, self.pinned)
             sample.next += keep - start
             self.rows += keep - start
             if generating:  # rows of generated tokens (positions past the prompt)
@@ -166,13 +159,8 @@ class Assembler:
         so that at a run's end only the last step's samples are left to write."""
         plan = ShardPlan(call.sample_ids, dict(zip(call.sample_ids, call.num_tokens)),
                          dict(zip(call.sample_ids, call.loss_masks)), call.codec)
-        if self.shards is not None:  # (samples captured while generating are complete by now, held as copies)
-            spilled = [sid for sid, n in plan.num_tokens.items()
-                       if not self.pinned.fits(n) and sid not in self.captured]
-            if spilled and call.codec.enabled:  # the driver refuses these first (`check_host_buffer`)
-                raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the "
-                                   f"host buffer, and samples are spilled uncompressed only (codec {call.codec.name})")
-            self.spill_to.update((sid, call.path) for sid in spilled)
+        if self.shards is not None:
+            self.spill_to.update((sid, call.path) for sid in _to_spill(plan, self.pinned, self.captured))
         future = self.shards.submit(call.path, plan, self.take_complete) if self.shards is not None else None
         self.open_shards[call.path] = OpenShard(plan, future)
 
@@ -236,6 +224,17 @@ class Assembler:
             table.clear()
         self.stopping, self.failure = False, None
         return dropped
+
+
+def _to_spill(plan: ShardPlan, pinned: PinnedPool, captured: dict) -> list[str]:
+    """The samples of a shard whose steps the pinned pool cannot all hold: spilled, which stores them uncompressed
+    (the driver refuses them first with a codec: `check_host_buffer`). Samples captured while generating are
+    complete before their shard begins (in `captured`), held as copies."""
+    spilled = [sid for sid, n in plan.num_tokens.items() if not pinned.fits(n) and sid not in captured]
+    if spilled and plan.codec.enabled:
+        raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the host buffer, "
+                           f"and samples are spilled uncompressed only (codec {plan.codec.name})")
+    return spilled
 
 
 def _copy_generating_rows(step: Step, ended: collections.OrderedDict[str, None]) -> dict:

@@ -85,6 +85,18 @@ class PartialSample:
     blocks: list[PinnedBlock] = field(default_factory=list)  # the pinned blocks `chunks` are views of
     spill: SpillFile | None = None  # where its rows go instead (a sample too long for the pinned pool)
 
+    def add_states(self, step: Step, start: int, keep: int, pinned: PinnedPool) -> None:
+        """The step's rows [start, keep), which are this sample's from position `next` on, of every captured
+        layer: views into the step's pinned block, which the sample then holds, or written to its spill file."""
+        pieces = [s[start:keep] for s in step.states]  # views: no copy
+        if self.spill is not None:
+            self.spill.add(self.next, pieces)  # the block goes back with the step's own reference
+            return
+        self.chunks.append(pieces)
+        if step.block is not None:
+            pinned.hold(step.block)
+            self.blocks.append(step.block)
+
     def forget(self, pinned: PinnedPool) -> None:
         """An abandoned sample's pinned blocks back, its spill file removed."""
         pinned.release(self.blocks)

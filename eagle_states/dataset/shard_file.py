@@ -55,6 +55,67 @@ WIDEST_SIZE, WIDEST_CRC, WIDEST_FLOAT = 10**15 - 1, 2**32 - 1, -1.79769313486231
 HEADER_ALIGN = 4096
 
 
+class ShardHeader:
+    """What a shard's safetensors header says, known before any tensor is: its tensors in key order with their
+    dtypes, shapes and sizes, the room reserved for the header at a compressed shard's start (its widest form),
+    the header's bytes once the stored sizes are known (`make`), and the checks that what is written is what it
+    says."""
+
+    def __init__(self, file_name: str, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec):
+        self.file_name, self.specs, self.codec, self.order = file_name, specs, codec, sorted(specs)
+        self.nbytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
+        self.dtypes = {name: specs[name][0] for name in self.order}
+        self.room = 0
+        if codec.enabled:
+            extras = {key: WIDEST_FLOAT for key in codec.entry_extras}
+            largest, _ = self.make({name: (WIDEST_SIZE, {**encoded_entry(DTYPES[dtype][0], shape, b"", extras),
+                                                         "crc32": WIDEST_CRC})
+                                    for name, (dtype, shape) in specs.items() if codec.encodes(dtype)})
+            self.room = -(-len(largest) // HEADER_ALIGN) * HEADER_ALIGN
+
+    def make(self, encoded: dict[str, tuple[int, dict]], room: int = 0) -> tuple[bytes, int]:
+        """The safetensors header, its 8-byte length first, and the file's size with it: each tensor as stored (a
+        compressed one, `encoded`'s (stored size, entry), as U8 bytes, its logical dtype and shape in the
+        metadata), in key order; padded with spaces to 8 bytes, or to fill `room` bytes."""
+        header, entries, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, {}, 0
+        for name in self.order:
+            dtype, shape = self.specs[name]
+            if name in encoded:
+                size, entries[name] = encoded[name]
+                entry = {"dtype": "U8", "shape": [size]}
+            else:
+                entry, size = {"dtype": DTYPES[dtype][0], "shape": list(shape)}, self.nbytes[name]
+            header[name] = {**entry, "data_offsets": [offset, offset + size]}
+            offset += size
+        header["__metadata__"].update(header_metadata(self.codec, entries))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        length = room - 8 if room else len(text) + (-len(text) % 8)  # the format aligns the data to 8 bytes
+        if len(text) > length:
+            raise ValueError(f"{self.file_name}: a header of {len(text)} bytes past its room of {length}")
+        return length.to_bytes(8, "little") + text.ljust(length), 8 + length + offset
+
+    def check_name(self, index: int, name: str) -> None:
+        """`name` is the tensor at `index` in key order."""
+        expected = self.order[index] if index < len(self.order) else None
+        if name != expected:
+            raise ValueError(f"{self.file_name}: tensor {name} written where {expected} comes next")
+
+    def check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
+        """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
+        self.check_name(index, name)
+        if self.codec.on_device and self.codec.encodes(self.dtypes[name]):
+            rows = sum(p.rows for p in pieces)
+            if rows != self.specs[name][1][0]:
+                raise ValueError(f"{self.file_name}: {name} got {rows} encoded rows, the header says "
+                                 f"{self.specs[name][1][0]}")
+        else:
+            nbytes = sum(p.numel() * p.element_size() for p in pieces)
+            if any(p.dtype != self.dtypes[name] for p in pieces) or nbytes != self.nbytes[name]:
+                raise ValueError(f"{self.file_name}: {name} got {nbytes} bytes of "
+                                 f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} "
+                                 f"bytes of {self.dtypes[name]}")
+
+
 class ShardFileWriter:
     """Writes one shard in the safetensors format, tensor by tensor in the file's (sorted) key order, while later
     tensors may not exist yet, so that a shard is written as its samples are captured. Each tensor's pieces are
@@ -75,50 +136,19 @@ class ShardFileWriter:
 
     def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, list[int]]], codec: Codec = Codec(),
                  encode_threads: int = 1, kept: ShardRoom | None = None):
-        self.path, self.order, self.codec = Path(path), sorted(specs), codec
+        self.path, self.codec = Path(path), codec
+        self.header = ShardHeader(self.path.name, specs, codec)
+        self.order = self.header.order  # the tensors' key order, in which they are written
         self.encode_threads = encode_threads
         self.kept = kept  # where the kept compressed tensors are counted (`kept_bytes`); None: unbounded
-        self.specs = specs
-        self.nbytes = {name: math.prod(shape) * dtype.itemsize for name, (dtype, shape) in specs.items()}
-        self.dtypes = {name: specs[name][0] for name in self.order}
         self.size: int | None = None  # set with the header
         self.digest: str | None = None
-        if codec.enabled:
-            extras = {key: WIDEST_FLOAT for key in codec.entry_extras}
-            largest = self._header({name: (WIDEST_SIZE, {**encoded_entry(DTYPES[dtype][0], shape, b"", extras),
-                                                         "crc32": WIDEST_CRC})
-                                    for name, (dtype, shape) in specs.items() if codec.encodes(dtype)})
-            self.room = -(-len(largest) // HEADER_ALIGN) * HEADER_ALIGN
-        else:
-            self.room = 0
         self._kept: dict[str, list] = {}  # with a codec: each tensor as written, for the digest at the end
         self._encoded: dict[str, tuple[int, dict]] = {}  # a compressed tensor's stored size and header entry
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
         # the caller's time hashing, and waiting for the helper thread's writes (the rest of a shard's time in the
         # caller is waiting for encoders, opening and committing)
         self.hash_s = self.write_wait_s = 0.0
-
-    def _header(self, encoded: dict[str, tuple[int, dict]], room: int = 0) -> bytes:
-        """The safetensors header, its 8-byte length first: each tensor as stored (a compressed one, `encoded`'s
-        (stored size, entry), as U8 bytes, its logical dtype and shape in the metadata), in key order; padded with
-        spaces to 8 bytes, or to fill `room` bytes."""
-        header, entries, offset = {"__metadata__": {"format": f"{FORMAT_NAME}/{FORMAT_VERSION}"}}, {}, 0
-        for name in self.order:
-            dtype, shape = self.specs[name]
-            if name in encoded:
-                size, entries[name] = encoded[name]
-                entry = {"dtype": "U8", "shape": [size]}
-            else:
-                entry, size = {"dtype": DTYPES[dtype][0], "shape": list(shape)}, self.nbytes[name]
-            header[name] = {**entry, "data_offsets": [offset, offset + size]}
-            offset += size
-        header["__metadata__"].update(header_metadata(self.codec, entries))
-        text = json.dumps(header, separators=(",", ":")).encode()
-        length = room - 8 if room else len(text) + (-len(text) % 8)  # the format aligns the data to 8 bytes
-        if len(text) > length:
-            raise ValueError(f"{self.path.name}: a header of {len(text)} bytes past its room of {length}")
-        self.size = 8 + length + offset
-        return length.to_bytes(8, "little") + text.ljust(length)
 
     def __enter__(self) -> "ShardFileWriter":
         self._stack = contextlib.ExitStack()
@@ -127,7 +157,11 @@ class ShardFileWriter:
         self._encoders = self._stack.enter_context(
             ThreadPoolExecutor(max_workers=self.encode_threads, thread_name_prefix="shard-encode"))
         self._writes, self._hasher, self._next = [], shard_hasher(every_core=self.codec.enabled), 0
-        self._put(bytes(self.room) if self.codec.enabled else self._header({}))
+        if self.codec.enabled:
+            self._put(bytes(self.header.room))
+        else:
+            head, self.size = self.header.make({})
+            self._put(head)
         return self
 
     def _put(self, data) -> None:
@@ -156,10 +190,10 @@ class ShardFileWriter:
         encoded on up to `encode_threads` threads at once (a sample's states: the shard's last sample reaches the
         file sooner after the run's last step)."""
         for offset, (name, pieces) in enumerate(tensors.items()):
-            self._check(self._next + offset, name, pieces)
-        encodable = [name for name in tensors if self.codec.encodes(self.dtypes[name])]
+            self.header.check(self._next + offset, name, pieces)
+        encodable = [name for name in tensors if self.codec.encodes(self.header.dtypes[name])]
         if self.kept is not None and encodable:  # room for what is kept, taken at the captured size (a bound)
-            self.kept.take(sum(self.nbytes[name] for name in encodable))
+            self.kept.take(sum(self.header.nbytes[name] for name in encodable))
         # on the encoder threads: torch.cat (a step codec's framing), Blosc2 and zlib's CRC-32 let go of the GIL
         encoded = {name: self._encoders.submit(self._encode, name, tensors[name]) for name in encodable}
         try:
@@ -167,13 +201,13 @@ class ShardFileWriter:
                 if name in encoded:
                     stored, entry, spent = encoded[name].result()
                     if self.kept is not None:
-                        self.kept.give_back(self.nbytes[name] - len(stored))
+                        self.kept.give_back(self.header.nbytes[name] - len(stored))
                     self._encoded[name] = len(stored), entry
                     self._kept[name] = [stored]
                     self._put(stored)
                     if not self.codec.on_device:
                         self.encode_s += spent
-                        self.encoded_bytes += self.nbytes[name]
+                        self.encoded_bytes += self.header.nbytes[name]
                 else:
                     data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
                     if self.codec.enabled:  # token ids, loss masks: small
@@ -193,48 +227,28 @@ class ShardFileWriter:
         """The next tensor in key order, uncompressed, from pieces made while it is written (a spilled sample's
         state read back from its file, `capture.spill`): each is dropped once written, so that two at most are in
         memory whatever the tensor's size."""
-        self._check_name(self._next, name)
+        self.header.check_name(self._next, name)
         if self.codec.enabled:  # its tensors are kept for the digest, taken at the end
             raise ValueError(f"{self.path.name}: {name}: a shard stored with {self.codec.name} cannot stream a tensor")
-        written = 0
+        dtype, nbytes, written = self.header.dtypes[name], self.header.nbytes[name], 0
         for piece in pieces:
             data = piece.contiguous().view(torch.uint8).numpy()
             written += data.nbytes
-            if piece.dtype != self.dtypes[name] or written > self.nbytes[name]:
+            if piece.dtype != dtype or written > nbytes:
                 raise ValueError(f"{self.path.name}: {name} got {written:,} bytes or more of {piece.dtype}, the "
-                                 f"header says {self.nbytes[name]:,} bytes of {self.dtypes[name]}")
+                                 f"header says {nbytes:,} bytes of {dtype}")
             self._put(data)
             while len(self._writes) > 1:
                 self._wait_for_write(self._writes.pop(0))
-        if written != self.nbytes[name]:
-            raise ValueError(f"{self.path.name}: {name} got {written:,} bytes, the header says {self.nbytes[name]:,}")
+        if written != nbytes:
+            raise ValueError(f"{self.path.name}: {name} got {written:,} bytes, the header says {nbytes:,}")
         self._next += 1
         while self._writes:
             self._wait_for_write(self._writes.pop(0))
 
-    def _check_name(self, index: int, name: str) -> None:
-        expected = self.order[index] if index < len(self.order) else None
-        if name != expected:
-            raise ValueError(f"{self.path.name}: tensor {name} written where {expected} comes next")
-
-    def _check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
-        """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
-        self._check_name(index, name)
-        if self.codec.on_device and self.codec.encodes(self.dtypes[name]):
-            rows = sum(p.rows for p in pieces)
-            if rows != self.specs[name][1][0]:
-                raise ValueError(f"{self.path.name}: {name} got {rows} encoded rows, the header says "
-                                 f"{self.specs[name][1][0]}")
-        else:
-            nbytes = sum(p.numel() * p.element_size() for p in pieces)
-            if any(p.dtype != self.dtypes[name] for p in pieces) or nbytes != self.nbytes[name]:
-                raise ValueError(f"{self.path.name}: {name} got {nbytes} bytes of "
-                                 f"{sorted({str(p.dtype) for p in pieces})}, the header says {self.nbytes[name]} "
-                                 f"bytes of {self.dtypes[name]}")
-
     def _encode(self, name: str, pieces: list[torch.Tensor]) -> tuple[bytes | np.ndarray, dict, float]:
         """A hidden state's stored bytes, its header entry (with the CRC-32) and the time its encoding took."""
-        dtype, shape = self.specs[name]
+        dtype, shape = self.header.specs[name]
         started = time.perf_counter()
         if self.codec.on_device:
             stored, extra = self.codec.frame(pieces)
@@ -251,7 +265,7 @@ class ShardFileWriter:
                     raise ValueError(f"{self.path.name}: {len(self.order) - self._next} tensors were not written "
                                      f"(next: {self.order[self._next]})")
                 if self.codec.enabled:  # hashed while the last tensors are still being written
-                    header = self._header(self._encoded, self.room)
+                    header, self.size = self.header.make(self._encoded, self.header.room)
                     self._hash(header)
                     for name in self.order:
                         for chunk in self._kept[name]:

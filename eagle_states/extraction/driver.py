@@ -236,6 +236,35 @@ class CaptureConfig:
                               tensor_parallel_size=e.tensor_parallel_size, write_threads=e.write_threads,
                               host_buffer_bytes=int(e.host_buffer_gb * 2**30))
 
+    def check_host_buffer(self, shards: list[PlannedShard]) -> None:
+        """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their
+        last: `handoff.fits_host_buffer`) are spilled, their rows written to a file beside their shard as they are
+        captured and read back when the shard's file reaches them. Uncompressed only: with a codec such a sample
+        is refused here, before any model load. Host memory is the setting's, whatever the samples' length."""
+        e = self.params.extract
+        row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
+        budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
+        spilled = [s for shard in shards for s in shard.samples
+                   if not fits_host_buffer(len(s.input_ids), budget, row_bytes, steps)]
+        if not spilled:
+            return
+        longest = max(spilled, key=lambda s: len(s.input_ids))
+        needed = blocks_held(len(longest.input_ids), steps) * pinned_blocks(budget, row_bytes, steps)[0] / 2**30
+        what = (f"sample {longest.sample_id} (input row {longest.source_row}): {len(longest.input_ids):,} tokens x "
+                f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
+                f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
+                f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
+        if self.codec.enabled:
+            raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed only, "
+                                     f"not with extract.codec {self.codec.name}: raise it, lower prepare.max_length, "
+                                     "or set extract.codec none")
+        if not self.told_spilled:
+            self.told_spilled = True
+            total = sum(len(shard.samples) for shard in shards)
+            log.warning("samples too long for the capture's host buffer go through spill files beside their shards "
+                        "(their states written and read once more): %d of %d. The longest: %s; raise it to keep "
+                        "them in memory", len(spilled), total, what)
+
 
 class Extraction(CaptureConfig):
     """One dataset directory being filled from one input; `run()` does the whole thing."""
@@ -334,35 +363,6 @@ class Extraction(CaptureConfig):
                         self.codec.name)
             return
         raise NoRoomError(errno.ENOSPC, message)
-
-    def check_host_buffer(self, shards: list[PlannedShard]) -> None:
-        """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their
-        last: `handoff.fits_host_buffer`) are spilled, their rows written to a file beside their shard as they are
-        captured and read back when the shard's file reaches them. Uncompressed only: with a codec such a sample
-        is refused here, before any model load. Host memory is the setting's, whatever the samples' length."""
-        e = self.params.extract
-        row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
-        budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
-        spilled = [s for shard in shards for s in shard.samples
-                   if not fits_host_buffer(len(s.input_ids), budget, row_bytes, steps)]
-        if not spilled:
-            return
-        longest = max(spilled, key=lambda s: len(s.input_ids))
-        needed = blocks_held(len(longest.input_ids), steps) * pinned_blocks(budget, row_bytes, steps)[0] / 2**30
-        what = (f"sample {longest.sample_id} (input row {longest.source_row}): {len(longest.input_ids):,} tokens x "
-                f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
-                f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
-                f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
-        if self.codec.enabled:
-            raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed only, "
-                                     f"not with extract.codec {self.codec.name}: raise it, lower prepare.max_length, "
-                                     "or set extract.codec none")
-        if not self.told_spilled:
-            self.told_spilled = True
-            total = sum(len(shard.samples) for shard in shards)
-            log.warning("samples too long for the capture's host buffer go through spill files beside their shards "
-                        "(their states written and read once more): %d of %d. The longest: %s; raise it to keep "
-                        "them in memory", len(spilled), total, what)
 
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)

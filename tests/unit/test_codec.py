@@ -124,10 +124,10 @@ def test_a_compressed_shards_header_room_holds_its_widest_form_and_refuses_a_wid
     widest = {"dtype": "BF16", "shape": [128, 96], "crc32": WIDEST_CRC,
               **{key: WIDEST_FLOAT for key in codec.entry_extras}}
     encoded = {name: (WIDEST_SIZE, widest) for name in specs if "hidden" in name}
-    assert len(out._header(encoded, out.room)) == out.room
-    encoded["s/hidden_states/1"] = (WIDEST_SIZE, {**widest, "undeclared": "x" * out.room})
+    assert len(out.header.make(encoded, out.header.room)[0]) == out.header.room
+    encoded["s/hidden_states/1"] = (WIDEST_SIZE, {**widest, "undeclared": "x" * out.header.room})
     with pytest.raises(ValueError, match="shard.safetensors: a header of .* past its room"):
-        out._header(encoded, out.room)
+        out.header.make(encoded, out.header.room)
 
 
 def test_a_compressed_shard_whose_write_fails_midway_raises_it_and_leaves_nothing(tmp_path, monkeypatch):
