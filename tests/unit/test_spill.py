@@ -2,12 +2,16 @@
 its shard's writer streams each state back from it. The shard's bytes are those of the sample held in memory, the
 spill file goes once written or abandoned, and the writer refuses a streamed state of the wrong size."""
 
+import queue
+
 import pytest
 import torch
 
+from eagle_states.capture import protocol as p
 from eagle_states.capture import spill
+from eagle_states.capture.assembler import Assembler
 from eagle_states.capture.forward import PinnedPool
-from eagle_states.capture.handoff import CapturedSample, ShardPlan, fits_host_buffer
+from eagle_states.capture.handoff import CapturedSample, ShardPlan, Step, StepRequest, fits_host_buffer
 from eagle_states.capture.shard_writer import ShardWriter
 from eagle_states.capture.spill import SpillFile
 from eagle_states.dataset.codec import Codec
@@ -60,6 +64,28 @@ def test_an_abandoned_spill_file_goes(tmp_path):
     spilling.add(0, list(torch.zeros(STATES, STEP, WIDTH)))
     assert [p.name.startswith(".shard-00000.safetensors.spill-") for p in tmp_path.iterdir()] == [True]
     CapturedSample(torch.arange(100), [], [], spilling).forget(PinnedPool(STATES, STEP, 1 << 20, 1))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_capture_discarded_midway_leaves_no_spill_file(tmp_path):
+    """Through the assembler: a sample of 3 steps does not fit 4 blocks (its 3 steps and the next one's), so its
+    rows go to a spill file from its first step; a failure's discard removes it with the half-captured sample."""
+    pinned = PinnedPool(STATES, STEP, 1, STATES * WIDTH * 4)  # the least: 4 blocks, samples of up to 2 steps
+    work = queue.Queue()
+    assembler = Assembler(work, ShardWriter(STATES, write_threads=1, pinned=pinned, kept_limit=1 << 30), pinned)
+    n, states = 3 * STEP, torch.randn(STATES, 3 * STEP, WIDTH)
+    work.put(p.BeginShard(path=str(tmp_path / "shard-00000.safetensors"), sample_ids=["a"], num_tokens=[n],
+                          loss_masks=[[1] * n]))
+    for start in (0, STEP):  # two of its three steps
+        rows = torch.arange(start, start + STEP)
+        work.put(Step([StepRequest("a", 0, STEP, n, False, start)], rows, rows, list(states[:, start:start + STEP]),
+                      block=None, copied=None))
+    work.join()
+    assert assembler.take_failure() is None
+    spilled = [p.name for p in tmp_path.iterdir()]
+    assert len(spilled) == 1 and spilled[0].startswith(".shard-00000.safetensors.spill-")
+    assert (tmp_path / spilled[0]).stat().st_size == (STATES - 1) * n * WIDTH * 4 + 2 * STEP * WIDTH * 4
+    assert assembler.discard() == ["a"]
     assert list(tmp_path.iterdir()) == []
 
 
