@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host path on the H200 (#29), one stage per device call (at most 10 minutes each):
-#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|waits|hugetmpfs|llama8b [CODECS]
+#   [ROUNDS=N] [PROMPTS=N (DeepSeek-V3 stages, default 192)] [CODECS=... (rss)] bash bench/h200_host.sh check [CODECS]|codecs|disk|writer|gil|dsv3-disk [CODECS]|dsv3-shm [CODECS]|rss|waits|hugetmpfs|shm-huge [HUGE]|llama8b [CODECS]
 # After BLAKE3 shard digests (a writer hashes 3.5 x faster than with sha256), and the peak RSS of the process tree
 # against sample length (the 2026-12-02 run of `check` and `dsv3-disk` also had nvCOMP's scratch memory from torch's
 # caching allocator, which made the forward passes slower still and was taken out: bench/RESULTS.md). Needs vLLM from
@@ -81,7 +81,8 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
         --shard-max-tokens 16384 --rounds ${ROUNDS:-1} --codecs none --json "$OUT/waits.json" 2>"$OUT/waits.err" \
         | tee "$OUT/waits.txt" | grep "writer thread's time\|ratio"
     memory_state > "$OUT/memory_after.txt"
-    cat "$OUT/thread_waits.txt"; diff "$OUT/memory_before.txt" "$OUT/memory_after.txt" | grep "^[<>]" | head -60 ;;
+    cat "$OUT/thread_waits.txt"; diff "$OUT/memory_before.txt" "$OUT/memory_after.txt" | grep "^[<>]" | head -60
+    true ;;  # files that differ are no failure
   hugetmpfs)  # tmpfs with huge pages against /dev/shm as mounted: the shard writer alone (bench/huge_tmpfs_check.py),
               # then the into-RAM capture into each, one process each (plain prefill beside it in both)
     python3 bench/huge_tmpfs_check.py 2>&1 | tee "$OUT/huge_tmpfs_check.txt" | grep "^TMPFS\|cannot"
@@ -97,6 +98,17 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
       umount /mnt/huge
     fi
     grep -w /dev/shm /proc/mounts ;;
+  shm-huge)  # into /dev/shm as mounted, remounted with ${2:-huge=within_size} (what the bench advises), then as
+             # mounted again: one process each, plain prefill beside each; /dev/shm is left as it was
+    make_dsv3
+    was=$(awk '$2 == "/dev/shm" {print $4}' /proc/mounts | tail -1 | tr , '\n' | grep "^huge=" || echo huge=never)
+    n=0
+    for huge in "$was" "${2:-huge=within_size}" "$was"; do
+      mount -o "remount,$huge" /dev/shm || break
+      bench "shm-$((++n))-${huge#huge=}" --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 \
+          --rounds ${ROUNDS:-2} --codecs none
+    done
+    mount -o "remount,$was" /dev/shm ;;
   llama8b)
     [ -d /dev/shm/m8b ] || python3 /tmp/kit/make_model.py /dev/shm/m8b >/dev/null
     bench llama8b-disk --model /dev/shm/m8b --out /tmp/bench --prompts 384 --prompt-len 2048 --rounds ${ROUNDS:-2} \
