@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import re
 import resource
 import shutil
 import statistics
@@ -25,7 +23,7 @@ from eagle_states.capture.engine import EngineHolder
 from eagle_states.capture.shard_writer import WRITER_TIMES
 from eagle_states.config import PipelineParams
 from eagle_states.dataset.codec import Codec
-from eagle_states.dataset.files import atomic_file, libc_function, tmpfs_huge_pages
+from eagle_states.dataset.files import atomic_file, libc_function, tmpfs_huge_pages, without_huge_pages
 from eagle_states.dataset.layout import shard_path
 from eagle_states.dataset.prepared import write_samples
 from eagle_states.extraction.driver import Extraction
@@ -381,13 +379,6 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
     }
 
 
-def growing_file_huge() -> str:
-    """The tmpfs `huge=` option that gives a file written from start to end huge pages on this kernel:
-    `within_size` counts a write's end from Linux 6.14 on (tmpfs's large folios), only the file's size before."""
-    release = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
-    return "within_size" if release >= (6, 14) else "always"
-
-
 def format_result(result: dict) -> str:
     lines = [
         f"model {result['model']} ({result['dtype']}, hidden {result['hidden_size']}, layers {result['layer_ids']})",
@@ -437,9 +428,7 @@ def format_result(result: dict) -> str:
     ]
     if tmpfs := result.get("output_tmpfs"):
         lines.append(f"  into tmpfs ({tmpfs['mount']}, huge={tmpfs['huge']})" + (
-            ": the kernel writes each shard a 4 KiB page at a time; a shard's stream ran 2 x faster into tmpfs "
-            f"mounted with huge pages (bench/huge_tmpfs_check.py; `mount -o remount,huge={growing_file_huge()} "
-            f"{tmpfs['mount']}`, as root)" if tmpfs["huge"] == "never" else ""))
+            f": {without_huge_pages(tmpfs['mount'])}" if tmpfs["huge"] == "never" else ""))
     lines += [
         f"host RSS of this process and the engine's: {result['loaded_tree_rss_gb']:.1f} GB with the model loaded, "
         f"peak {result['peak_tree_rss_gb']:.1f} GB (extract.host_buffer_gb {result['host_buffer_gb']:g}); "

@@ -10,6 +10,8 @@ import hashlib
 import json
 import mmap
 import os
+import platform
+import re
 import shutil
 import stat
 from concurrent.futures import ThreadPoolExecutor
@@ -115,6 +117,20 @@ def tmpfs_huge_pages(path: Path) -> tuple[str, str] | None:
         return None
     huge = [option.split("=", 1)[1] for option in mount.opts.split(",") if option.startswith("huge=")]
     return mount.mountpoint, huge[-1] if huge else "never"
+
+
+def growing_file_huge() -> str:
+    """The tmpfs `huge=` option that gives a file written from start to end huge pages on this kernel:
+    `within_size` counts a write's end from Linux 6.14 on (tmpfs's large folios), only the file's size before."""
+    release = tuple(int(part) for part in re.findall(r"\d+", platform.release())[:2])
+    return "within_size" if release >= (6, 14) else "always"
+
+
+def without_huge_pages(mount_point: str) -> str:
+    """What a user can do about shards going into a tmpfs mounted without huge pages, and why."""
+    return (f"the kernel writes each shard a 4 KiB page at a time; with huge pages a shard's writes took 1.6-1.8 x "
+            f"less time, and the capture into RAM at the DeepSeek-V3 width went from 0.90 to 0.93 x plain prefill "
+            f"(bench/RESULTS.md, 2026-12-05): `mount -o remount,huge={growing_file_huge()} {mount_point}`, as root")
 
 
 class DirectFile:

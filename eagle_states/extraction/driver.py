@@ -28,7 +28,8 @@ from eagle_states.dataset.capture_format import (CAPTURE_CODE_HASHES_OF_FORMAT_1
                                                  UNCOMPRESSED_SAME_SINCE)
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import (SHARD_DIGEST, atomic_write_bytes, atomic_write_json, digest_matches,
-                                        fsync_path, hash_json, json_bytes, recorded_digest)
+                                        fsync_path, hash_json, json_bytes, recorded_digest, tmpfs_huge_pages,
+                                        without_huge_pages)
 from eagle_states.dataset.identity import model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
@@ -266,6 +267,14 @@ class CaptureConfig:
                         "them in memory", len(spilled), total, what)
 
 
+    def tell_tmpfs_pages(self) -> None:
+        """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for
+        the kernel's 4 KiB pages there)."""
+        tmpfs = tmpfs_huge_pages(self.out)
+        if tmpfs and tmpfs[1] == "never":
+            log.info("shards go into tmpfs %s, mounted without huge pages: %s", tmpfs[0], without_huge_pages(tmpfs[0]))
+
+
 class Extraction(CaptureConfig):
     """One dataset directory being filled from one input; `run()` does the whole thing."""
 
@@ -396,6 +405,7 @@ class Extraction(CaptureConfig):
                 on_shard(shard, True)
         if todo:
             self.check_host_buffer(todo)
+            self.tell_tmpfs_pages()
             by_name = {s.name: s for s in todo}
             for result in get_engine(self.engine_settings()).extract([self.job(s) for s in todo]):
                 self.record(by_name[result.name], result)

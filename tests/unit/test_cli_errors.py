@@ -1,16 +1,19 @@
 """Bad input fails with one line that names the file and what is wrong (exit 2), before any engine or model load,
-and leaves no output behind."""
+and leaves no output behind; what a user can act on about a run is said there too."""
 
 import errno
 import json
 import logging
+import os
 import shutil
+import subprocess
 
 import pytest
 
 from eagle_states.capture.engine import CaptureEngine
 from eagle_states.cli import main
 from eagle_states.coordination.retry import is_permanent
+from eagle_states.dataset.files import growing_file_huge
 from eagle_states.extraction.driver import Extraction
 from helpers import extraction_params, model_too_big_for_the_disk, write_prompt_jsonl
 
@@ -118,6 +121,47 @@ def test_a_sample_too_long_for_the_host_buffer_is_spilled_or_with_a_codec_refuse
     with pytest.raises(AssertionError, match="an engine was started"):  # 128 tokens fit: on to the engine
         main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
               "--dtype", "float32", "--codec", "blosc2-zstd"])
+
+
+class Told(logging.Handler):
+    """The messages of one logger: the command line hands the root logger's handlers to Prefect's, whose stream
+    under pytest may be an earlier test's."""
+
+    def __init__(self, logger: str, caplog):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        caplog.set_level(logging.INFO, logger=logger)  # under pytest the root logger stays at WARNING
+        logging.getLogger(logger).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root: there it runs)")
+def test_shards_into_a_tmpfs_without_huge_pages_are_told_how_to_give_it_some(workdir, caplog, llama_model):
+    rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 20])
+    told = Told("eagle_states.extraction.driver", caplog)
+    try:
+        for huge in ("never", "within_size"):
+            ram = workdir / f"ram-{huge}"
+            ram.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64M,huge={huge}", "tmpfs", str(ram)], check=True)
+            try:
+                with pytest.raises(AssertionError, match="an engine was started"):  # told before the engine starts
+                    main(["extract", "--model", str(llama_model), "--input", str(rows), "--out", f"{ram}/ds",
+                          "--dtype", "float32"])
+            finally:
+                subprocess.run(["umount", str(ram)], check=True)
+            said = [message for message in told.messages if "huge pages" in message]
+            told.messages.clear()
+            if huge == "never":
+                assert len(said) == 1 and said[0].startswith(f"shards go into tmpfs {ram}, mounted without huge "
+                                                             "pages: the kernel writes each shard a 4 KiB page")
+                assert said[0].endswith(f"`mount -o remount,huge={growing_file_huge()} {ram}`, as root")
+            else:
+                assert said == []
+    finally:
+        logging.getLogger("eagle_states.extraction.driver").removeHandler(told)
 
 
 def test_errors_that_stay_are_not_retried():

@@ -153,10 +153,10 @@ def test_tmpfs_huge_pages_names_the_mount_holding_a_path_and_its_pages(tmp_path)
         assert tmpfs_huge_pages(point) == tmpfs_huge_pages(tmp_path)  # unmounted: whatever holds tmp_path
 
 
-def test_the_bench_names_the_huge_option_that_gives_a_growing_file_huge_pages_on_this_kernel(monkeypatch):
+def test_the_huge_option_named_is_the_one_that_gives_a_growing_file_huge_pages_on_this_kernel(monkeypatch):
     import platform
 
-    from eagle_states.bench import growing_file_huge
+    from eagle_states.dataset.files import growing_file_huge
 
     for release, option in (("6.18.44-fc-v1252", "within_size"), ("6.14.0", "within_size"),
                             ("6.8.0-45-generic", "always"), ("5.15.0-119-generic", "always")):
