@@ -129,7 +129,7 @@ def growing_file_huge() -> str:
 def without_huge_pages(mount_point: str) -> str:
     """What a user can do about shards going into a tmpfs mounted without huge pages, and why."""
     return (f"the kernel writes each shard a 4 KiB page at a time; with huge pages a shard's writes took 1.6-1.8 x "
-            f"less time, and the capture into RAM at the DeepSeek-V3 width went from 0.90 to 0.93 x plain prefill "
+            f"less time, and the capture into RAM at the DeepSeek-V3 width went from 0.87-0.91 to 0.93 x plain prefill "
             f"(bench/RESULTS.md, 2026-12-05): `mount -o remount,huge={growing_file_huge()} {mount_point}`, as root")
 
 
