@@ -37,6 +37,7 @@ from eagle_states.dataset.prepared import InputSample, input_hash, load_input
 from eagle_states.dataset.shard_file import DTYPE_OF_NAME, shard_data_bytes
 
 log = logging.getLogger(__name__)
+TOLD_TMPFS: set[str] = set()  # tmpfs mount points this process has said have no huge pages (`tell_tmpfs_pages`)
 
 
 def engine_versions() -> dict:
@@ -269,9 +270,11 @@ class CaptureConfig:
 
     def tell_tmpfs_pages(self) -> None:
         """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for
-        the kernel's 4 KiB pages there)."""
+        the kernel's 4 KiB pages there). Once a process for each mount: a bench runs an extraction per round, an
+        engine worker one per flow run."""
         tmpfs = tmpfs_huge_pages(self.out)
-        if tmpfs and tmpfs[1] == "never":
+        if tmpfs and tmpfs[1] == "never" and tmpfs[0] not in TOLD_TMPFS:
+            TOLD_TMPFS.add(tmpfs[0])
             log.info("shards go into tmpfs %s, mounted without huge pages: %s", tmpfs[0], without_huge_pages(tmpfs[0]))
 
 

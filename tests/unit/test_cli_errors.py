@@ -147,9 +147,10 @@ def test_shards_into_a_tmpfs_without_huge_pages_are_told_how_to_give_it_some(wor
             ram.mkdir()
             subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64M,huge={huge}", "tmpfs", str(ram)], check=True)
             try:
-                with pytest.raises(AssertionError, match="an engine was started"):  # told before the engine starts
-                    main(["extract", "--model", str(llama_model), "--input", str(rows), "--out", f"{ram}/ds",
-                          "--dtype", "float32"])
+                for _ in range(2):  # said once a process for each mount
+                    with pytest.raises(AssertionError, match="an engine was started"):  # told before the engine
+                        main(["extract", "--model", str(llama_model), "--input", str(rows), "--out", f"{ram}/ds",
+                              "--dtype", "float32"])
             finally:
                 subprocess.run(["umount", str(ram)], check=True)
             said = [message for message in told.messages if "huge pages" in message]
