@@ -267,7 +267,6 @@ class CaptureConfig:
                         "(their states written and read once more): %d of %d. The longest: %s; raise it to keep "
                         "them in memory", len(spilled), total, what)
 
-
     def tell_tmpfs_pages(self) -> None:
         """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for
         the kernel's 4 KiB pages there). Once a process for each mount: a bench runs an extraction per round, an
