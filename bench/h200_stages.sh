@@ -5,8 +5,8 @@
 # VAR=value words first if it needs them:
 #   DEADLINE=560 bash bench/h200_stages.sh hugetmpfs "rss 6:65536:2" "ROUNDS=1 waits"
 set -uo pipefail
-start=$(date +%s) deadline=${DEADLINE:-560} results=/tmp/stages n=0
-mkdir -p "$results"
+start=$(date +%s) deadline=${DEADLINE:-560} results=$(mktemp -d /tmp/stages.XXXX) n=0  # this call's stages only
+mkdir -p "${OUT:=/tmp/out}"
 for stage in "$@"; do
   n=$((n + 1)) vars=() args=()
   for word in $stage; do
@@ -20,5 +20,5 @@ for stage in "$@"; do
   # timeout signals the stage's whole process group: an engine's workers go with it
   timeout -k 10 "$left" env "${vars[@]}" OUT="$dir" bash bench/h200_host.sh "${args[@]}" 2>&1 | tee "$dir/stage.log"
   echo "== $stage: exit ${PIPESTATUS[0]} after $(($(date +%s) - start)) s"
-  tar czf "${OUT:-/tmp/out}/stages.tgz" -C "$results" .
+  tar czf "$OUT/stages.tgz" -C "$results" .
 done
