@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nvcomp_gil_check import Ticker  # noqa: E402  (bench/ is this script's directory)
 
-from eagle_states.dataset.step_codecs import FP8_AUX, Fp8Piece, NvcompPiece, frame_fp8, frame_nvcomp  # noqa: E402
+from eagle_states.dataset.step_codecs import FP8_AUX, Fp8Piece, NvcompPiece, frame  # noqa: E402
 
 
 def pieces(rows: int, hidden: int) -> dict[str, list]:
@@ -48,13 +48,13 @@ def main():
     ticks, started = ticker.ticks, time.monotonic()
     time.sleep(1)
     idle_rate = (ticker.ticks - ticks) / (time.monotonic() - started)
-    for codec, frame in (("fp8-e4m3", frame_fp8), ("nvcomp-ans", frame_nvcomp)):
+    for codec in ("fp8-e4m3", "nvcomp-ans"):
         tensor = pieces(args.rows, args.hidden)[codec]
-        frame(tensor)  # warm-up
+        frame(codec, tensor)  # warm-up
         calls, gaps, free, stored = [], [], [], 0
         for _ in range(args.repeats):
             ticks = ticker.ticks
-            (blob, _), took, gap = ticker.window(lambda: frame(tensor))
+            (blob, _), took, gap = ticker.window(lambda: frame(codec, tensor))
             calls.append(took)
             gaps.append(gap)
             free.append(min(1.0, (ticker.ticks - ticks) / (took + 0.015) / idle_rate))  # the window's sleeps too

@@ -69,6 +69,15 @@ def refuse_a_write(monkeypatch, nth: int) -> None:
         monkeypatch.setattr(cls, "write", write)
 
 
+def identity_ans(codes: torch.Tensor, spans: list[tuple[int, int]]):
+    """A stand-in for nvCOMP's ANS (which needs a CUDA device) on a step's uint8 [L, R, H] codes: each (layer,
+    span)'s codes as they are, one buffer each."""
+    from eagle_states.dataset.step_codecs import EncodedStep
+
+    blobs = [codes[slot, start:stop].reshape(-1) for slot in range(codes.shape[0]) for start, stop in spans]
+    return EncodedStep(torch.cat(blobs), *codes.shape, codes.dtype, tuple(spans), tuple(b.numel() for b in blobs))
+
+
 def extraction_params(model: Path, source: Path, out: Path, **extract) -> PipelineParams:
     """Parameters for extracting `source` (a prompt JSONL or a prepared directory) with `model` into `out`;
     `extract` overrides the extract section (everything else is config's defaults)."""

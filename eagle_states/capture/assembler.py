@@ -24,10 +24,11 @@ import torch
 from eagle_states.capture import protocol as p
 from eagle_states.capture.handoff import CapturedSample, EndedShard, OpenShard, PartialSample, ShardPlan, Step
 from eagle_states.capture.protocol import CaptureError
-from eagle_states.capture.spill import SpillFile
+from eagle_states.capture.spill import spill_file
 
 if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
+    from eagle_states.dataset.codec import Codec
     from eagle_states.capture.shard_writer import ShardWriter
 
 
@@ -52,7 +53,8 @@ class Assembler:
         self.sample_ready = threading.Condition()  # a sample was completed, or writing must stop
         self.captured: dict[str, tuple[int, int]] = {}  # sample id -> (tokens, ids crc), until its shard ends
         self.open_shards: dict[str, OpenShard] = {}  # shard path -> between its markers
-        self.spill_to: dict[str, str] = {}  # sample id -> its shard's path, for samples too long to hold
+        self.spill_to: dict[str, tuple[str, Codec]] = {}  # sample id -> its shard's (path, codec), for samples
+        # too long to hold
         self.finished: dict[str, EndedShard] = {}  # shard path -> until the driver's poll reports it
         self.stopping = False  # set by `discard`: writers waiting for samples give up
         self.failure: BaseException | None = None
@@ -99,7 +101,8 @@ class Assembler:
                                        "(prefix caching skipped cached rows? it must be off)")
                 sample = self.partial[sample_id] = PartialSample()
                 if sample_id in self.spill_to and step.states is not None and not generating:
-                    sample.spill = SpillFile(self.spill_to[sample_id], prompt_len)
+                    path, codec = self.spill_to[sample_id]
+                    sample.spill = spill_file(path, prompt_len, codec)
             elif first != sample.next:
                 raise CaptureError(f"sample {sample_id}: rows resume at position {first}, expected {sample.next}")
             keep = end if generating else min(end, start + prompt_len - first)  # decode rows are never stored
@@ -160,7 +163,7 @@ class Assembler:
         plan = ShardPlan(call.sample_ids, dict(zip(call.sample_ids, call.num_tokens)),
                          dict(zip(call.sample_ids, call.loss_masks)), call.codec)
         if self.shards is not None:
-            self.spill_to.update((sid, call.path) for sid in _to_spill(plan, self.pinned, self.captured))
+            self.spill_to.update((sid, (call.path, call.codec)) for sid in _to_spill(plan, self.pinned, self.captured))
         future = self.shards.submit(call.path, plan, self.take_complete) if self.shards is not None else None
         self.open_shards[call.path] = OpenShard(plan, future)
 
@@ -227,13 +230,13 @@ class Assembler:
 
 
 def _to_spill(plan: ShardPlan, pinned: PinnedPool, captured: dict) -> list[str]:
-    """The samples of a shard whose steps the pinned pool cannot all hold: spilled, which stores them uncompressed
-    (the driver refuses them first with a codec: `check_host_buffer`). Samples captured while generating are
-    complete before their shard begins (in `captured`), held as copies."""
+    """The samples of a shard whose steps the pinned pool cannot all hold: spilled, uncompressed or as a step codec
+    encoded them (with a CPU codec, the driver refuses them first: `check_host_buffer`). Samples captured while
+    generating are complete before their shard begins (in `captured`), held as copies."""
     spilled = [sid for sid, n in plan.num_tokens.items() if not pinned.fits(n) and sid not in captured]
-    if spilled and plan.codec.enabled:
+    if spilled and plan.codec.enabled and not plan.codec.on_device:
         raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the host buffer, "
-                           f"and samples are spilled uncompressed only (codec {plan.codec.name})")
+                           f"and {plan.codec.name} compresses a sample held whole: it cannot be spilled")
     return spilled
 
 

@@ -55,6 +55,7 @@ class ShardWriter:
         try:
             order = shard_sample_order(plan.sample_ids)
             first, waited = self._take(take, order[0])
+            spilled = []  # with a codec: spilled samples written, whose files the digest reads again at the end
             try:
                 width, dtype = first.state_width_and_dtype()  # the stream's, from the first captured rows
                 specs = {}
@@ -70,7 +71,10 @@ class ShardWriter:
                         try:
                             self._write_sample(out, sid, sample, plan.loss_masks[sid])
                         finally:
-                            sample.forget(self.pinned)
+                            if sample.spill is not None and plan.codec.enabled:
+                                spilled.append(sample)  # its spill file is read again for the digest at the end
+                            else:
+                                sample.forget(self.pinned)
                 with self.lock:
                     self.encoded_bytes += out.encoded_bytes
                     self.encode_s += out.encode_s
@@ -81,6 +85,8 @@ class ShardWriter:
                     self.write_wait_s += out.write_wait_s
             finally:
                 first.forget(self.pinned)  # a no-op once written; gives it back when the file could not be opened
+                for sample in spilled:
+                    sample.forget(self.pinned)
             return out.digest, out.size
         except OSError as exc:
             if exc.filename is None:  # "No space left on device" names no file; the user needs to know which disk
@@ -110,6 +116,6 @@ class ShardWriter:
         spilled = {key_hidden_state(sample_id, slot): slot for slot in range(self.num_states)}
         for name in sorted([*tensors, *spilled]):  # the file's order, each state read back as it is written
             if name in spilled:
-                out.write_streamed(name, sample.spill.pieces(spilled[name]))
+                out.write_streamed(name, sample.spill.stream(spilled[name]))
             else:
                 out.write_many({name: tensors[name]})

@@ -1,19 +1,35 @@
 """A sample too long for the capture's host buffer (`extract.host_buffer_gb`, `handoff.fits_host_buffer`), spilled:
-its rows go to a file beside its shard as each step is assembled, every captured layer in a region of its own, so
-that its steps' pinned blocks are given back at once and host memory stays the setting's whatever the sample's
-length. Its shard's writer reads each layer back in pieces of READ_BYTES when the sample's turn comes. The cost is
-one more write and read of its states (the page cache often serves the read). Reads nothing of vLLM."""
+its rows go to a file beside its shard as each step is assembled, so that its steps' pinned blocks are given back
+at once and host memory stays the setting's whatever the sample's length. Its shard's writer streams each layer
+back in pieces of READ_BYTES when the sample's turn comes (`shard_file.StreamedTensor`).
+
+Uncompressed (`SpillFile`), every captured layer has a region of its own. With a step codec (`EncodedSpillFile`),
+each piece's encoded body is appended as it comes (its size is known only then) and what its tensor's frame needs
+ahead of the bodies is kept in memory (`step_codecs.PieceHead`: fp8's per-row numbers, 12 bytes a row and layer);
+the shard's digest, taken at its end, reads the bodies once more. The cost is one more write and read (two with a
+codec) of the sample's stored states; the page cache often serves the reads. Reads nothing of vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Iterator
 
 import torch
 
 from eagle_states import stopping
+from eagle_states.dataset.codec import Codec
+from eagle_states.dataset.shard_file import StreamedTensor
+from eagle_states.dataset.step_codecs import PieceHead, frame_head
 
 READ_BYTES = 64 << 20  # a piece read back: two at most are in memory (`ShardFileWriter.write_streamed`)
+
+
+def spill_file(shard_path: str, num_tokens: int, codec: Codec) -> "SpillFile":
+    """Where a sample of `num_tokens` rows is spilled, for a shard stored with `codec`: none, or a step codec (a CPU
+    codec's samples are refused first, `assembler._to_spill`)."""
+    return EncodedSpillFile(shard_path, num_tokens, codec.name) if codec.on_device else SpillFile(shard_path, num_tokens)
 
 
 class SpillFile:
@@ -35,27 +51,38 @@ class SpillFile:
             self.dtype, self.width = pieces[0].dtype, pieces[0].shape[-1]
             self.row_bytes = self.width * pieces[0].element_size()
         for slot, piece in enumerate(pieces):
-            data = memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B")
-            offset = (slot * self.num_tokens + first_row) * self.row_bytes
-            while data:  # a write may stop short (above 2 GiB, on a signal)
-                done = os.pwrite(self.fd, data, offset)
-                data, offset = data[done:], offset + done
-                self.bytes += done
+            self._write_at(piece, (slot * self.num_tokens + first_row) * self.row_bytes)
+
+    def _write_at(self, data: torch.Tensor, offset: int) -> None:
+        data = memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
+        while data:  # a write may stop short (above 2 GiB, on a signal)
+            done = os.pwrite(self.fd, data, offset)
+            data, offset = data[done:], offset + done
+            self.bytes += done
+
+    def _read(self, offset: int, nbytes: int, block: int = READ_BYTES) -> Iterator[torch.Tensor]:
+        """The file's bytes [offset, offset + nbytes), in uint8 tensors of at most `block` bytes."""
+        with open(self.path, "rb", buffering=0) as f:  # `temp_file` opened the file write-only
+            for start in range(offset, offset + nbytes, block):
+                buffer = bytearray(min(block, offset + nbytes - start))
+                view, at = memoryview(buffer), start
+                while view:
+                    done = os.preadv(f.fileno(), [view], at)
+                    if done == 0:
+                        raise EOFError(f"{self.path}: ends at byte {at}, before {offset + nbytes}")
+                    view, at = view[done:], at + done
+                yield torch.frombuffer(buffer, dtype=torch.uint8)
 
     def pieces(self, slot: int) -> Iterator[torch.Tensor]:
         """Layer `slot`'s rows, in order, as tensors of at most READ_BYTES each."""
         rows_per_piece = max(1, READ_BYTES // self.row_bytes)
-        with open(self.path, "rb", buffering=0) as f:
-            for start in range(0, self.num_tokens, rows_per_piece):
-                rows = min(rows_per_piece, self.num_tokens - start)
-                buffer = bytearray(rows * self.row_bytes)
-                view, offset = memoryview(buffer), (slot * self.num_tokens + start) * self.row_bytes
-                while view:
-                    done = os.preadv(f.fileno(), [view], offset)
-                    if done == 0:
-                        raise EOFError(f"{self.path}: layer slot {slot} ends before row {self.num_tokens}")
-                    view, offset = view[done:], offset + done
-                yield torch.frombuffer(buffer, dtype=torch.uint8).view(self.dtype).view(rows, self.width)
+        region = self._read(slot * self.num_tokens * self.row_bytes, self.num_tokens * self.row_bytes,
+                            rows_per_piece * self.row_bytes)
+        return (piece.view(self.dtype).view(-1, self.width) for piece in region)
+
+    def stream(self, slot: int) -> StreamedTensor:
+        """Layer `slot`'s state, for its shard's writer."""
+        return StreamedTensor(functools.partial(self.pieces, slot), self.num_tokens)
 
     def close(self) -> None:
         """Remove the file (written, or abandoned); once."""
@@ -68,3 +95,36 @@ class SpillFile:
         except FileNotFoundError:  # a stop removed it
             pass
         stopping.untrack_temp(self.path)
+
+
+class EncodedSpillFile(SpillFile):
+    """One sample's states as a step codec encoded them on the device (`step_codecs`): per captured layer, its
+    pieces in row order, their heads in memory and their bodies in the file."""
+
+    def __init__(self, shard_path: str, num_tokens: int, codec_name: str):
+        super().__init__(shard_path, num_tokens)
+        self.codec_name = codec_name
+        self.heads: list[list[tuple[PieceHead, int]]] = []  # per layer slot: (a piece's head, its body's offset)
+
+    def add(self, first_row: int, pieces: list) -> None:
+        """A step's pieces of this sample (`first_row` on, after the pieces added before), one per captured layer."""
+        if self.dtype is None:
+            self.dtype, self.width = pieces[0].dtype, pieces[0].shape[-1]
+            self.heads = [[] for _ in pieces]
+        for slot, piece in enumerate(pieces):
+            head = piece.head()
+            if head.aux is not None:  # a view of the step's pinned block, which goes back now
+                head = dataclasses.replace(head, aux=head.aux.clone())
+            self.heads[slot].append((head, self.bytes))
+            self._write_at(piece.body, self.bytes)
+
+    def pieces(self, slot: int) -> Iterator[torch.Tensor]:
+        """Layer `slot`'s stored bytes, as its shard holds them: the frame's head, then the bodies read back."""
+        head, _ = frame_head(self.codec_name, [h for h, _ in self.heads[slot]])
+        yield from head
+        for piece, offset in self.heads[slot]:
+            yield from self._read(offset, piece.stored)
+
+    def stream(self, slot: int) -> StreamedTensor:
+        _, record = frame_head(self.codec_name, [h for h, _ in self.heads[slot]])
+        return StreamedTensor(functools.partial(self.pieces, slot), self.num_tokens, record)

@@ -110,7 +110,7 @@ class Codec:
         """A step codec's pieces of one tensor (`step_codecs`), as stored, with what its entry records."""
         from eagle_states.dataset import step_codecs
 
-        return step_codecs.FRAMES[self.name](pieces)
+        return step_codecs.frame(self.name, pieces)
 
     def encode(self, pieces: list[torch.Tensor]) -> bytes:
         """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
@@ -125,15 +125,15 @@ class Codec:
         return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
 
 
-# what a lossy codec records of each tensor (`step_codecs.frame_fp8`): its rounding error and the states' norm,
+# what a lossy codec records of each tensor (`step_codecs.frame_head`): its rounding error and the states' norm,
 # squared and summed
 LOSSY_ENTRY_EXTRAS = ("sq_err", "sq_sum")
 
 
-def encoded_entry(dtype_code: str, shape: list[int], stored: bytes | np.ndarray, extra: dict | None = None) -> dict:
-    """The header metadata of one compressed tensor: its logical dtype and shape, the stored bytes' CRC-32, and
-    what its codec records of it (fp8: the squared error and norm)."""
-    return {"dtype": dtype_code, "shape": list(shape), "crc32": zlib.crc32(stored), **(extra or {})}
+def encoded_entry(dtype_code: str, shape: list[int], crc32: int, extra: dict | None = None) -> dict:
+    """The header metadata of one compressed tensor: its logical dtype and shape, the stored bytes' CRC-32
+    (`zlib.crc32`), and what its codec records of it (fp8: the squared error and norm)."""
+    return {"dtype": dtype_code, "shape": list(shape), "crc32": crc32, **(extra or {})}
 
 
 def header_metadata(codec: Codec, encoded: dict[str, dict]) -> dict[str, str]:

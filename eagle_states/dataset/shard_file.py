@@ -10,9 +10,11 @@ import math
 import os
 import struct
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -47,6 +49,16 @@ def sample_tensor_specs(sample_id: str, num_tokens: int, num_slots: int, hidden_
     return specs
 
 
+@dataclass(frozen=True)
+class StreamedTensor:
+    """A tensor too large to hold (a spilled sample's state), given as pieces made on demand: of its dtype, or of
+    its stored bytes when a step codec encoded it (then `rows` and the codec's `record` of it say what the stored
+    bytes cannot). `pieces` may be called again, and gives the same pieces."""
+    pieces: Callable[[], Iterable[torch.Tensor]]
+    rows: int
+    record: dict = field(default_factory=dict)
+
+
 # A compressed shard's header is written last, into room reserved at the file's start for its largest form: every
 # stored size and offset at its widest (below a petabyte), every CRC-32 and float of the codec's entries too (a
 # float as Python's repr writes one: at most 24 characters). The room ends on a 4 KiB boundary (O_DIRECT writes
@@ -68,8 +80,7 @@ class ShardHeader:
         self.room = 0
         if codec.enabled:
             extras = {key: WIDEST_FLOAT for key in codec.entry_extras}
-            largest, _ = self.make({name: (WIDEST_SIZE, {**encoded_entry(DTYPES[dtype][0], shape, b"", extras),
-                                                         "crc32": WIDEST_CRC})
+            largest, _ = self.make({name: (WIDEST_SIZE, encoded_entry(DTYPES[dtype][0], shape, WIDEST_CRC, extras))
                                     for name, (dtype, shape) in specs.items() if codec.encodes(dtype)})
             self.room = -(-len(largest) // HEADER_ALIGN) * HEADER_ALIGN
 
@@ -99,6 +110,19 @@ class ShardHeader:
         expected = self.order[index] if index < len(self.order) else None
         if name != expected:
             raise ValueError(f"{self.file_name}: tensor {name} written where {expected} comes next")
+
+    def check_streamed(self, index: int, name: str, rows: int) -> None:
+        """`name` is the tensor at `index` in key order, and a tensor of `rows` rows can be streamed to it (a step
+        codec's as its stored bytes; the bytes of a plain one are counted as they come)."""
+        self.check_name(index, name)
+        if not self.codec.encodes(self.dtypes[name]):
+            return
+        if not self.codec.on_device:
+            raise ValueError(f"{self.file_name}: {name}: {self.codec.name} compresses a tensor held whole, not "
+                             "streamed")
+        if rows != self.specs[name][1][0]:
+            raise ValueError(f"{self.file_name}: {name} got {rows} encoded rows, the header says "
+                             f"{self.specs[name][1][0]}")
 
     def check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
         """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
@@ -143,7 +167,8 @@ class ShardFileWriter:
         self.kept = kept  # where the kept compressed tensors are counted (`kept_bytes`); None: unbounded
         self.size: int | None = None  # set with the header
         self.digest: str | None = None
-        self._kept: dict[str, list] = {}  # with a codec: each tensor as written, for the digest at the end
+        self._kept: dict[str, list | StreamedTensor] = {}  # with a codec: each tensor as written, for the digest at the
+        # end (a streamed one streamed again)
         self._encoded: dict[str, tuple[int, dict]] = {}  # a compressed tensor's stored size and header entry
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
         # the caller's time hashing, and waiting for the helper thread's writes (the rest of a shard's time in the
@@ -223,28 +248,49 @@ class ShardFileWriter:
         while self._writes and (not self.codec.enabled or self._writes[0].done()):
             self._wait_for_write(self._writes.pop(0))
 
-    def write_streamed(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
-        """The next tensor in key order, uncompressed, from pieces made while it is written (a spilled sample's
-        state read back from its file, `capture.spill`): each is dropped once written, so that two at most are in
-        memory whatever the tensor's size."""
-        self.header.check_name(self._next, name)
-        if self.codec.enabled:  # its tensors are kept for the digest, taken at the end
-            raise ValueError(f"{self.path.name}: {name}: a shard stored with {self.codec.name} cannot stream a tensor")
-        dtype, nbytes, written = self.header.dtypes[name], self.header.nbytes[name], 0
-        for piece in pieces:
+    def write_streamed(self, name: str, tensor: StreamedTensor) -> None:
+        """The next tensor in key order, from pieces made while it is written (a spilled sample's state read back
+        from its file, `capture.spill`): each is dropped once written, so that two at most are in memory whatever
+        the tensor's size. With a step codec the pieces are its stored bytes, and they are made once more for the
+        digest at the shard's end rather than kept (checked against their CRC-32 then)."""
+        self.header.check_streamed(self._next, name, tensor.rows)
+        encoded = self.codec.encodes(self.header.dtypes[name])
+        dtype, nbytes, written, crc = self.header.dtypes[name], self.header.nbytes[name], 0, 0
+        for piece in tensor.pieces():
             data = piece.contiguous().view(torch.uint8).numpy()
             written += data.nbytes
-            if piece.dtype != dtype or written > nbytes:
+            if encoded:
+                crc = zlib.crc32(data, crc)
+            elif piece.dtype != dtype or written > nbytes:
                 raise ValueError(f"{self.path.name}: {name} got {written:,} bytes or more of {piece.dtype}, the "
                                  f"header says {nbytes:,} bytes of {dtype}")
             self._put(data)
             while len(self._writes) > 1:
                 self._wait_for_write(self._writes.pop(0))
-        if written != nbytes:
+        if encoded:
+            shape = self.header.specs[name][1]
+            self._encoded[name] = written, encoded_entry(DTYPES[dtype][0], shape, crc, tensor.record)
+            self._kept[name] = tensor
+        elif written != nbytes:
             raise ValueError(f"{self.path.name}: {name} got {written:,} bytes, the header says {nbytes:,}")
         self._next += 1
         while self._writes:
             self._wait_for_write(self._writes.pop(0))
+
+    def _hash_kept(self, name: str) -> None:
+        """A compressed shard's tensor, in the digest: as kept in memory, or streamed again."""
+        kept = self._kept[name]
+        if not isinstance(kept, StreamedTensor):
+            for chunk in kept:
+                self._hash(chunk)
+            return
+        crc = 0
+        for piece in kept.pieces():
+            data = piece.contiguous().view(torch.uint8).numpy()
+            crc = zlib.crc32(data, crc)
+            self._hash(data)
+        if crc != self._encoded[name][1]["crc32"]:
+            raise OSError(f"{self.path.name}: {name} streamed again for the digest gave other bytes than were written")
 
     def _encode(self, name: str, pieces: list[torch.Tensor]) -> tuple[bytes | np.ndarray, dict, float]:
         """A hidden state's stored bytes, its header entry (with the CRC-32) and the time its encoding took."""
@@ -255,7 +301,7 @@ class ShardFileWriter:
         else:
             stored, extra = self.codec.encode(pieces), {}
         spent = time.perf_counter() - started
-        return stored, encoded_entry(DTYPES[dtype][0], shape, stored, extra), spent
+        return stored, encoded_entry(DTYPES[dtype][0], shape, zlib.crc32(stored), extra), spent
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         failure = None
@@ -268,8 +314,7 @@ class ShardFileWriter:
                     header, self.size = self.header.make(self._encoded, self.header.room)
                     self._hash(header)
                     for name in self.order:
-                        for chunk in self._kept[name]:
-                            self._hash(chunk)
+                        self._hash_kept(name)
                 for write in self._writes:
                     self._wait_for_write(write)
                 if self.codec.enabled:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from eagle_states.dataset.codec import LOSSY_ENTRY_EXTRAS, NVCOMP_CODECS
+from eagle_states.dataset.codec import LOSSY_CODECS, LOSSY_ENTRY_EXTRAS, NVCOMP_CODECS
 
 E4M3_MAX = 448.0  # the largest finite float8 e4m3fn value
 FP8_AUX = 3  # per row: scale, squared rounding error, squared norm (float32)
@@ -70,7 +70,17 @@ def nvcomp_version() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Pieces: a span of rows of one layer slot, after the copy (views of the host step)
 # A piece has the `shape` ([rows, H]) and `dtype` of the states it stands for, as the shard writer reads a plain
-# piece's.
+# piece's. A tensor's stored bytes are a head made from its pieces' `PieceHead`s (`frame_head`), then each piece's
+# `body` in order: so a spilled sample's pieces are framed from heads kept in memory and bodies read back from its
+# file (`capture.spill`), into the bytes the pieces held in memory give.
+@dataclass(frozen=True)
+class PieceHead:
+    """What a tensor's frame says of one of its pieces ahead of the bodies."""
+    stored: int  # its body's bytes
+    decoded_bytes: int  # what its body decodes to
+    aux: torch.Tensor | None  # fp8's per-row numbers, float32 [rows, FP8_AUX]; None for nvcomp-ans
+
+
 @dataclass(frozen=True)
 class Fp8Piece:
     codes: torch.Tensor  # uint8 [r, H]: e4m3 bit patterns
@@ -84,6 +94,13 @@ class Fp8Piece:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
+
+    @property
+    def body(self) -> torch.Tensor:
+        return self.codes.reshape(-1)
+
+    def head(self) -> PieceHead:
+        return PieceHead(self.codes.numel(), self.codes.numel(), self.aux)
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,13 @@ class NvcompPiece:
     def decoded_bytes(self) -> int:
         return self.rows * self.width * self.dtype.itemsize
 
+    @property
+    def body(self) -> torch.Tensor:
+        return self.blob
+
+    def head(self) -> PieceHead:
+        return PieceHead(self.blob.numel(), self.decoded_bytes, None)
+
 
 @dataclass(frozen=True)
 class Fp8AnsPiece(NvcompPiece):
@@ -110,6 +134,9 @@ class Fp8AnsPiece(NvcompPiece):
     @property
     def decoded_bytes(self) -> int:
         return self.rows * self.width  # a byte per code
+
+    def head(self) -> PieceHead:
+        return PieceHead(self.blob.numel(), self.decoded_bytes, self.aux)
 
 
 class Fp8Rows:
@@ -315,35 +342,38 @@ class NvcompStepEncoder:
 # Framed by torch.cat, which lets go of the GIL while it copies (numpy's tobytes and bytes.join hold it): eight
 # writer threads frame each step's tensors while vLLM launches the model's kernels from a Python thread
 # (bench/framing_gil_check.py). The stored bytes are a uint8 array.
-def _fp8_scales(pieces: list[Fp8Piece] | list[Fp8AnsPiece]) -> tuple[torch.Tensor, dict]:
+def _fp8_scales(heads: list[PieceHead]) -> tuple[torch.Tensor, dict]:
     """The scales' stored bytes (float32 [T]) and the entry's error record (sums of squares, float64)."""
-    aux = torch.cat([p.aux for p in pieces]) if len(pieces) > 1 else pieces[0].aux
+    aux = torch.cat([h.aux for h in heads]) if len(heads) > 1 else heads[0].aux
     # a copy: `contiguous` keeps a one-row column's stride, which the byte view refuses
     scales = aux[:, 0].clone(memory_format=torch.contiguous_format).view(torch.uint8)
     return scales, dict(zip(LOSSY_ENTRY_EXTRAS, aux[:, 1:].double().sum(dim=0).tolist()))
 
 
-def _nvcomp_frame(pieces: list[NvcompPiece]) -> list[torch.Tensor]:
-    """A count, each buffer's stored and decoded size, then the buffers."""
-    sizes = [n for p in pieces for n in (p.blob.numel(), p.decoded_bytes)]
-    head = torch.frombuffer(bytearray(struct.pack(f"<I{len(sizes)}Q", len(pieces), *sizes)), dtype=torch.uint8)
-    return [head, *(p.blob for p in pieces)]
+def _nvcomp_head(heads: list[PieceHead]) -> torch.Tensor:
+    """A count, then each buffer's stored and decoded size (the buffers follow)."""
+    sizes = [n for h in heads for n in (h.stored, h.decoded_bytes)]
+    return torch.frombuffer(bytearray(struct.pack(f"<I{len(sizes)}Q", len(heads), *sizes)), dtype=torch.uint8)
 
 
-def frame_fp8(pieces: list[Fp8Piece]) -> tuple[np.ndarray, dict]:
-    """The stored bytes (scales, then codes) and the entry's error record."""
-    scales, errors = _fp8_scales(pieces)
-    return torch.cat([scales, *(p.codes.reshape(-1) for p in pieces)]).numpy(), errors
+def frame_head(codec_name: str, heads: list[PieceHead]) -> tuple[list[torch.Tensor], dict]:
+    """What a tensor stored with `codec_name` holds before its pieces' bodies, and the entry's record of it: fp8's
+    scales (fp8-e4m3: then the codes), nvCOMP's frame (nvcomp-ans: then the buffers), or both in that order
+    (fp8-e4m3-ans: then the codes' buffers)."""
+    parts, record = [], {}
+    if codec_name in LOSSY_CODECS:
+        scales, record = _fp8_scales(heads)
+        parts.append(scales)
+    if codec_name in NVCOMP_CODECS:
+        parts.append(_nvcomp_head(heads))
+    return parts, record
 
 
-def frame_nvcomp(pieces: list[NvcompPiece]) -> tuple[np.ndarray, dict]:
-    return torch.cat(_nvcomp_frame(pieces)).numpy(), {}
-
-
-def frame_fp8_ans(pieces: list[Fp8AnsPiece]) -> tuple[np.ndarray, dict]:
-    """The stored bytes (scales, then the codes' nvCOMP frame) and the entry's error record."""
-    scales, errors = _fp8_scales(pieces)
-    return torch.cat([scales, *_nvcomp_frame(pieces)]).numpy(), errors
+def frame(codec_name: str, pieces: list) -> tuple[np.ndarray, dict]:
+    """A tensor's pieces (`Fp8Piece`, `NvcompPiece` or `Fp8AnsPiece`, as `codec_name` made them) as stored, and the
+    entry's record of them."""
+    head, record = frame_head(codec_name, [p.head() for p in pieces])
+    return torch.cat([*head, *(p.body for p in pieces)]).numpy(), record
 
 
 def _from_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -415,6 +445,5 @@ def decode_fp8_ans(stored: np.ndarray, shape: list[int], dtype: torch.dtype) -> 
     return _from_fp8(codes, scales, dtype).cpu()
 
 
-# by codec name: a tensor's pieces framed into its stored bytes, and its stored bytes read back
-FRAMES = {"fp8-e4m3": frame_fp8, "nvcomp-ans": frame_nvcomp, "fp8-e4m3-ans": frame_fp8_ans}
+# by codec name: a tensor's stored bytes read back
 DECODERS = {"fp8-e4m3": decode_fp8, "nvcomp-ans": decode_nvcomp, "fp8-e4m3-ans": decode_fp8_ans}

@@ -241,8 +241,9 @@ class CaptureConfig:
     def check_host_buffer(self, shards: list[PlannedShard]) -> None:
         """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their
         last: `handoff.fits_host_buffer`) are spilled, their rows written to a file beside their shard as they are
-        captured and read back when the shard's file reaches them. Uncompressed only: with a codec such a sample
-        is refused here, before any model load. Host memory is the setting's, whatever the samples' length."""
+        captured and read back when the shard's file reaches them. Uncompressed or with a step codec: with a CPU
+        codec such a sample is refused here, before any model load. Host memory is the setting's, whatever the
+        samples' length."""
         e = self.params.extract
         row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
         budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
@@ -256,15 +257,16 @@ class CaptureConfig:
                 f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
                 f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
                 f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
-        if self.codec.enabled:
-            raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed only, "
-                                     f"not with extract.codec {self.codec.name}: raise it, lower prepare.max_length, "
-                                     "or set extract.codec none")
+        if self.codec.enabled and not self.codec.on_device:
+            raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed or "
+                                     f"with a GPU codec only, not with extract.codec {self.codec.name}, which "
+                                     "compresses a sample held whole: raise it, lower prepare.max_length, or set "
+                                     "extract.codec none")
         if not self.told_spilled:
             self.told_spilled = True
             total = sum(len(shard.samples) for shard in shards)
             log.warning("samples too long for the capture's host buffer go through spill files beside their shards "
-                        "(their states written and read once more): %d of %d. The longest: %s; raise it to keep "
+                        "(their states written and read once more, twice with a codec): %d of %d. The longest: %s; raise it to keep "
                         "them in memory", len(spilled), total, what)
 
     def tell_tmpfs_pages(self) -> None:

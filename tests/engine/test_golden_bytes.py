@@ -111,20 +111,26 @@ def test_the_capture_writes_the_pinned_bytes(extracted, dtype, codec):
 
 def test_samples_spilled_past_a_tiny_host_buffer_give_the_same_shards(extracted, llama_model):
     """A 4-block host buffer (the least) holds samples of up to 2 steps (128 tokens): the 3 longer ones go through
-    spill files, and every shard's bytes are those of the run that held them all in memory."""
+    spill files, uncompressed or as fp8-e4m3 encoded them, and every shard's bytes are those of the run that held
+    them all in memory."""
     tmp, prompts = extracted
-    params = extraction_params(llama_model, prompts, tmp / "spilled", dtype="float32", codec="none",
-                               **{**SETTINGS, "host_buffer_gb": 0.0001})
-    engines = EngineHolder()
+    engines, spilled_bytes = EngineHolder(), {}
     try:
-        run_extraction(Extraction(params), progress=False, engines=engines)
-        spilled_bytes = engines.engine.capture_stats().spilled_bytes
+        for codec in ("none", "fp8-e4m3"):
+            params = extraction_params(llama_model, prompts, tmp / f"spilled-{codec}", dtype="float32", codec=codec,
+                                       **{**SETTINGS, "host_buffer_gb": 0.0001})
+            before = engines.engine.capture_stats().spilled_bytes if engines.engine is not None else 0
+            run_extraction(Extraction(params), progress=False, engines=engines)
+            spilled_bytes[codec] = engines.engine.capture_stats().spilled_bytes - before
     finally:
         engines.close()
-    assert spilled_bytes == (190 + 129 + 150) * 4 * 256 * 4  # rows x captured layers x hidden x float32
-    assert [s["blake3"] for s in read_manifest(tmp / "spilled")["shards"]] == \
-        [s["blake3"] for s in read_manifest(tmp / "float32-none")["shards"]]
-    assert not [p.name for p in (tmp / "spilled" / "shards").iterdir() if p.name.startswith(".")]
+    rows = 190 + 129 + 150
+    # rows x captured layers x hidden x float32; fp8's codes a byte each (its scales stay in memory until written)
+    assert spilled_bytes == {"none": rows * 4 * 256 * 4, "fp8-e4m3": rows * 4 * 256}
+    for codec in spilled_bytes:
+        assert [s["blake3"] for s in read_manifest(tmp / f"spilled-{codec}")["shards"]] == \
+            [s["blake3"] for s in read_manifest(tmp / f"float32-{codec}")["shards"]]
+        assert not [p.name for p in (tmp / f"spilled-{codec}" / "shards").iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("dtype, codec", RELEASED_BEFORE_THE_FORMAT)

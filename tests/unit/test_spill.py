@@ -1,6 +1,7 @@
 """A sample too long for the host buffer is spilled (`capture.spill`): its rows go to a file as its steps come, and
-its shard's writer streams each state back from it. The shard's bytes are those of the sample held in memory, the
-spill file goes once written or abandoned, and the writer refuses a streamed state of the wrong size."""
+its shard's writer streams each state back from it. The shard's bytes are those of the sample held in memory,
+uncompressed or as a step codec encoded it; the spill file goes once written or abandoned, and the writer refuses a
+streamed state of the wrong size, or one that streams other bytes for the digest than it wrote."""
 
 import queue
 
@@ -13,50 +14,81 @@ from eagle_states.capture.assembler import Assembler
 from eagle_states.capture.forward import PinnedPool
 from eagle_states.capture.handoff import CapturedSample, ShardPlan, Step, StepRequest, fits_host_buffer
 from eagle_states.capture.shard_writer import ShardWriter
-from eagle_states.capture.spill import SpillFile
+from eagle_states.capture.spill import SpillFile, spill_file
+from eagle_states.dataset import step_codecs
 from eagle_states.dataset.codec import Codec
-from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs
+from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, StreamedTensor, sample_tensor_specs
+from eagle_states.dataset.step_codecs import NvcompPiece, fp8_ans_encode_step, fp8_encode_step
+from helpers import identity_ans
 
 STATES, WIDTH, STEP = 3, 48, 64  # captured layers, hidden size, rows per step
 
 
-def steps_of(states: torch.Tensor) -> list[tuple[int, list[torch.Tensor]]]:
-    """A sample's [layer, token, hidden] states as chunked prefill hands them over: (first row, a piece per layer)."""
-    return [(start, list(states[:, start:start + STEP])) for start in range(0, states.shape[1], STEP)]
+def steps_of(states: torch.Tensor, codec: str = "none") -> list[tuple[int, list]]:
+    """A sample's [layer, token, hidden] states as chunked prefill hands them over: (first row, a piece per layer),
+    plain or as a step codec encoded them (nvcomp-ans and fp8-e4m3-ans with stand-ins for nvCOMP's ANS, which
+    needs a CUDA device: the bytes framed are what they are)."""
+    out = []
+    for start in range(0, states.shape[1], STEP):
+        step = states[:, start:start + STEP]
+        rows = step.shape[1]
+        if codec == "none":
+            pieces = list(step)
+        elif codec == "nvcomp-ans":  # buffers of odd sizes, as ANS's are
+            pieces = [NvcompPiece(layer.reshape(-1).view(torch.uint8)[:rows * WIDTH + slot].clone(), rows, WIDTH,
+                                  step.dtype) for slot, layer in enumerate(step)]
+        else:
+            encoded = (fp8_encode_step(step) if codec == "fp8-e4m3" else
+                       fp8_ans_encode_step(step, [(0, rows)], identity_ans))
+            pieces = [layer[0:rows] for layer in encoded.host_rows(encoded.data, codec)]
+        out.append((start, pieces))
+    return out
 
 
-def write(tmp_path, name: str, samples: dict[str, torch.Tensor], spilled: set[str]) -> bytes:
+def write(tmp_path, name: str, samples: dict[str, torch.Tensor], spilled: set[str], codec: str = "none") -> bytes:
     """A shard of `samples` written by the capture's shard writer, those in `spilled` through spill files."""
     path = str(tmp_path / name)
     pinned = PinnedPool(STATES, STEP, 1 << 20, STATES * WIDTH * 2)
 
     def take(sample_id):  # complete samples, as the assembler hands them over
         states, n = samples[sample_id], samples[sample_id].shape[1]
+        steps = steps_of(states, codec)
         if sample_id not in spilled:
-            return CapturedSample(torch.arange(n), [pieces for _, pieces in steps_of(states)], [])
-        spilling = SpillFile(path, n)
-        for first, pieces in steps_of(states):
+            return CapturedSample(torch.arange(n), [pieces for _, pieces in steps], [])
+        spilling = spill_file(path, n, Codec(codec))
+        for first, pieces in steps:
             spilling.add(first, pieces)
-        assert spilling.bytes == states.numel() * states.element_size()
+            if codec != "none":  # the step's pinned block goes back to the pool and is filled again
+                for piece in pieces:
+                    piece.body.fill_(0)
+                    getattr(piece, "aux", torch.empty(0)).fill_(0)
+        stored = [piece.body if codec != "none" else piece for _, pieces in steps for piece in pieces]
+        assert spilling.bytes == sum(t.numel() * t.element_size() for t in stored)
         return CapturedSample(torch.arange(n), [], [], spilling)
 
     writer = ShardWriter(STATES, write_threads=1, pinned=pinned, kept_limit=1 << 30)
     plan = ShardPlan(list(samples), {s: t.shape[1] for s, t in samples.items()},
-                     {s: [1] * t.shape[1] for s, t in samples.items()}, Codec())
+                     {s: [1] * t.shape[1] for s, t in samples.items()}, Codec(codec))
     writer.submit(path, plan, take).result(timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name], "the spill files are gone"
     return (tmp_path / name).read_bytes()
 
 
-def test_a_spilled_sample_gives_the_bytes_of_one_held_in_memory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("codec", ["none", "fp8-e4m3", "nvcomp-ans", "fp8-e4m3-ans"])
+def test_a_spilled_sample_gives_the_bytes_of_one_held_in_memory(tmp_path, monkeypatch, codec):
     monkeypatch.setattr(spill, "READ_BYTES", 1000)  # a state read back in many pieces, the last one short
+    monkeypatch.setattr(step_codecs, "nvcomp_version", lambda: "6.0.0")  # the codec's record, without nvCOMP here
     torch.manual_seed(0)
     samples = {"a": torch.randn(STATES, 300, WIDTH).to(torch.bfloat16),
                "b": torch.randn(STATES, 70, WIDTH).to(torch.bfloat16),
                "c": torch.randn(STATES, 5, WIDTH).to(torch.bfloat16)}
-    held = write(tmp_path, "held.safetensors", samples, spilled=set())
-    assert write(tmp_path, "spilled.safetensors", samples, spilled={"a", "c"}) == held
-    assert write(tmp_path, "all.safetensors", samples, spilled=set(samples)) == held
+    held = write(tmp_path, "held.safetensors", samples, spilled=set(), codec=codec)
+    assert write(tmp_path, "spilled.safetensors", samples, spilled={"a", "c"}, codec=codec) == held
+    assert write(tmp_path, "all.safetensors", samples, spilled=set(samples), codec=codec) == held
+    if codec == "fp8-e4m3":  # and they read back as fp8's states
+        with ShardReader(tmp_path / "all.safetensors") as reader:
+            states = reader.get_tensor("a/hidden_states/2")
+        assert states.dtype == torch.bfloat16 and torch.allclose(states, samples["a"][2], rtol=0.07, atol=0.02)
 
 
 def test_an_abandoned_spill_file_goes(tmp_path):
@@ -93,11 +125,39 @@ def test_a_streamed_state_of_the_wrong_size_is_refused(tmp_path):
     specs = sample_tensor_specs("s", 10, 1, WIDTH, torch.float32)
     with pytest.raises(ValueError, match="got 1,728 bytes, the header says 1,920"):
         with ShardFileWriter(tmp_path / "x.safetensors", specs) as out:
-            out.write_streamed("s/hidden_states/0", [torch.zeros(9, WIDTH)])
+            out.write_streamed("s/hidden_states/0", StreamedTensor(lambda: [torch.zeros(9, WIDTH)], 10))
     with pytest.raises(ValueError, match="got 2,112 bytes or more of torch.float32, the header says 1,920"):
         with ShardFileWriter(tmp_path / "x.safetensors", specs) as out:
-            out.write_streamed("s/hidden_states/0", [torch.zeros(9, WIDTH), torch.zeros(2, WIDTH)])
+            out.write_streamed("s/hidden_states/0",
+                               StreamedTensor(lambda: [torch.zeros(9, WIDTH), torch.zeros(2, WIDTH)], 10))
+    with pytest.raises(ValueError, match="got 9 encoded rows, the header says 10"):
+        with ShardFileWriter(tmp_path / "x.safetensors", specs, Codec("fp8-e4m3")) as out:
+            out.write_streamed("s/hidden_states/0", StreamedTensor(lambda: [torch.zeros(9 * (4 + WIDTH))], 9))
+    with pytest.raises(ValueError, match="blosc2-zstd compresses a tensor held whole, not streamed"):
+        with ShardFileWriter(tmp_path / "x.safetensors", specs, Codec("blosc2-zstd")) as out:
+            out.write_streamed("s/hidden_states/0", StreamedTensor(lambda: [torch.zeros(10, WIDTH)], 10))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_compressed_state_streamed_again_for_the_digest_must_give_the_bytes_written(tmp_path):
+    """A step codec's streamed state is not kept: the shard's digest streams it again at the end (a spill file read
+    once more), and bytes other than those written (their CRC-32) fail the shard rather than give it a digest of
+    bytes it does not hold."""
+    specs = sample_tensor_specs("s", 10, 1, WIDTH, torch.float32)
+    calls = []
+
+    def pieces():  # fp8's stored bytes: scales, then codes; the second time one byte differs
+        calls.append(1)
+        stored = torch.zeros(10 * (4 + WIDTH), dtype=torch.uint8)
+        stored[-1] = len(calls)
+        return [stored[:40], stored[40:]]
+
+    with pytest.raises(OSError, match="s/hidden_states/0 streamed again for the digest gave other bytes"):
+        with ShardFileWriter(tmp_path / "x.safetensors", specs, Codec("fp8-e4m3")) as out:
+            out.write_streamed("s/hidden_states/0", StreamedTensor(pieces, 10, {"sq_err": 0.0, "sq_sum": 1.0}))
+            out.write_many({"s/input_ids": [torch.arange(10, dtype=torch.int32)],
+                            "s/loss_mask": [torch.ones(10, dtype=torch.uint8)]})
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
 
 
 def test_the_spill_rule_is_the_pinned_pools():

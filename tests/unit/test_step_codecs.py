@@ -15,10 +15,10 @@ from eagle_states.dataset import step_codecs
 from eagle_states.dataset.codec import FP8_MAX_RELATIVE_ERROR, Codec, CorruptTensorError
 from eagle_states.dataset.kept_bytes import KeptBytes
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, read_header, sample_tensor_specs
-from eagle_states.dataset.step_codecs import (CodecUnavailable, EncodedStep, Fp8AnsPiece, NvcompPiece,
+from eagle_states.dataset.step_codecs import (CodecUnavailable, Fp8AnsPiece, NvcompPiece,
                                               decode_fp8_ans, decode_nvcomp, fp8_ans_encode_step, fp8_encode_step,
-                                              frame_fp8, frame_fp8_ans, frame_nvcomp, nvcomp_buffers)
-from helpers import refuse_a_write
+                                              frame, nvcomp_buffers)
+from helpers import identity_ans, refuse_a_write
 
 FP8 = Codec("fp8-e4m3")
 
@@ -131,8 +131,8 @@ def test_the_compiled_fp8_step_makes_the_eager_codes_and_scales():
 
 
 def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device():
-    stored, extra = frame_nvcomp([NvcompPiece(torch.arange(10, dtype=torch.uint8), 3, 8, torch.bfloat16),
-                                  NvcompPiece(torch.arange(7, dtype=torch.uint8), 2, 8, torch.bfloat16)])
+    stored, extra = frame("nvcomp-ans", [NvcompPiece(torch.arange(10, dtype=torch.uint8), 3, 8, torch.bfloat16),
+                                         NvcompPiece(torch.arange(7, dtype=torch.uint8), 2, 8, torch.bfloat16)])
     assert extra == {}
     buffers, decoded = nvcomp_buffers(np.frombuffer(stored, dtype=np.uint8))
     assert [b.tolist() for b in buffers] == [list(range(10)), list(range(7))] and decoded == [3 * 8 * 2, 2 * 8 * 2]
@@ -143,12 +143,6 @@ def test_the_nvcomp_frame_is_checked_before_any_decoding_and_needs_a_cuda_device
     if not torch.cuda.is_available():
         with pytest.raises(CodecUnavailable, match="CUDA device only"):
             decode_nvcomp(np.frombuffer(stored, dtype=np.uint8), [5, 8], torch.bfloat16)
-
-
-def identity_ans(codes, spans):
-    """A stand-in for nvCOMP's ANS (which needs a CUDA device): each (layer, span)'s codes as they are."""
-    blobs = [codes[slot, start:stop].reshape(-1) for slot in range(codes.shape[0]) for start, stop in spans]
-    return EncodedStep(torch.cat(blobs), *codes.shape, codes.dtype, tuple(spans), tuple(b.numel() for b in blobs))
 
 
 def test_fp8_ans_frames_fp8s_scales_and_errors_before_the_codes_nvcomp_frame():
@@ -164,8 +158,8 @@ def test_fp8_ans_frames_fp8s_scales_and_errors_before_the_codes_nvcomp_frame():
                                              fp8.host_rows(fp8.data, "fp8-e4m3"))):
         pieces = [ours[start:stop] for start, stop in spans]
         assert all(isinstance(p, Fp8AnsPiece) for p in pieces)
-        stored, errors = frame_fp8_ans(pieces)
-        plain_stored, plain_errors = frame_fp8([plain[start:stop] for start, stop in spans])
+        stored, errors = frame("fp8-e4m3-ans", pieces)
+        plain_stored, plain_errors = frame("fp8-e4m3", [plain[start:stop] for start, stop in spans])
         assert errors == plain_errors and stored[:9 * 4].tobytes() == plain_stored[:9 * 4].tobytes()  # scales
         buffers, decoded = nvcomp_buffers(stored[9 * 4:])
         assert np.concatenate(buffers).tobytes() == plain_stored[9 * 4:].tobytes()  # the codes, span by span
@@ -252,19 +246,19 @@ def test_shards_past_the_limit_are_written_oldest_first_and_all_of_them_finish(t
 def test_a_failed_frame_returns_only_once_the_samples_other_frames_are_done(tmp_path, monkeypatch):
     """The caller gives a sample's pinned blocks back as soon as `write_many` returns or raises: a state whose
     framing fails must not leave its neighbours still reading them."""
-    real, calls, finished = step_codecs.FRAMES[FP8.name], [], []
+    real, calls, finished = step_codecs.frame, [], []
 
     first = threading.Lock()
 
-    def frame(pieces):
+    def failing_once(codec_name, pieces):
         calls.append(pieces)
         if first.acquire(blocking=False):  # the first call on any of the encoder threads
             raise ValueError("refused")
         time.sleep(0.3)
         finished.append(pieces)
-        return real(pieces)
+        return real(codec_name, pieces)
 
-    monkeypatch.setitem(step_codecs.FRAMES, FP8.name, frame)
+    monkeypatch.setattr(step_codecs, "frame", failing_once)
     step = fp8_encode_step(captured_like(rows=20))
     rows = step.host_rows(step.data, FP8.name)
     specs = sample_tensor_specs("s0", 20, 3, 64, torch.float32)
