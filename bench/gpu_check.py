@@ -18,7 +18,9 @@ A deliberately shifted capture (rows one token off) is run through the same crit
 
 With `--codec C` the Llama check extracts with that codec and also without one, on the same engine, and the
 codec's dataset must pass validation on this machine and read back through `Dataset` bit for bit as the plain one
-(lossless codecs), or within the codec's error bound of it with the error its validation recorded (fp8-e4m3).
+(lossless codecs), or within the codec's error bound of it with the error its validation recorded (fp8-e4m3); and
+made again by an engine with a host buffer of 0.0001 GiB (the longer samples spilled as the codec encoded them) it
+must read back bit for bit as it did.
 
     python3 bench/gpu_check.py WORKDIR [--only llama|deepseek] [--device cpu] [--codec nvcomp-ans]
 Prints one summary per model (per layer for DeepSeek) and exits 1 if either fails. `--device cpu` runs it on
@@ -79,6 +81,24 @@ def codec_check(work: Path, params, engines: EngineHolder, codec: str) -> tuple[
                 f"error {worst:.4f}" + (f", recorded per layer {recorded}" if recorded else ""))
 
 
+def spill_check(work: Path, params) -> tuple[bool, str]:
+    """The codec's dataset made again by an engine with a host buffer so small (the pinned pool's least, 4 steps)
+    that the samples past 2 steps are spilled as the codec encoded them: it must read back bit for bit."""
+    spilled = params.override({"output.dir": str(work / "dataset-spilled"), "extract.host_buffer_gb": 0.0001})
+    engines = EngineHolder()
+    try:
+        run_extraction(Extraction(spilled), progress=False, engines=engines)
+        spilled_gb = engines.engine.capture_stats().spilled_bytes / 1e9
+    finally:
+        engines.close()
+    differ = sum(not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                 for ours, again in zip(Dataset(Path(params.output.dir)), Dataset(work / "dataset-spilled"))
+                 for a, b in zip(ours.hidden_states, again.hidden_states))
+    ok = spilled_gb > 0 and differ == 0
+    return ok, (f"SPILL {params.extract.codec} {'PASS' if ok else 'FAIL'}: made again with a host buffer of 0.0001 "
+                f"GiB, {spilled_gb:.4f} GB spilled: {differ} tensors differ from the samples held in memory")
+
+
 def llama_check(work: Path, device: str, codec: str = "none") -> tuple[bool, str]:
     model = make_demo_model(work / "demo-model")
     prompts = random_prompts(LENGTHS, 500, seed=1)
@@ -102,6 +122,9 @@ def llama_check(work: Path, device: str, codec: str = "none") -> tuple[bool, str
     recomputed = {s["name"]: s["blake3"] for s in run_extraction(Extraction(params), progress=False,
                                                                   engines=engines)["shards"]}
     engines.close()
+    if codec != "none":
+        spill_ok, spill_text = spill_check(work, params)
+        codec_result = codec_result[0] and spill_ok, f"{codec_result[1]}\n{spill_text}"
     changed = [name for name, was in before.items()
                if not (same_tensors(was, shard_tensors(work / "dataset", name)) if by_content
                        else recomputed[name] == was)]
