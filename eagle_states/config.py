@@ -96,9 +96,9 @@ class ExtractParams(_Section):
     host_buffer_gb: float = Field(8.0, gt=0, description="pinned host memory (GiB) for captured steps on their way "
                                   "to the shard writers: the capture's host memory, whatever the samples' length; a "
                                   "sample whose states cannot fit goes through a spill file beside its shard "
-                                  "(uncompressed or with a GPU codec; with a CPU codec it is refused before the model loads). With a "
-                                  "codec, the compressed tensors kept until their shard's end take up to as much "
-                                  "again")
+                                  "(uncompressed or with a GPU codec; with a CPU codec it is refused before the "
+                                  "model loads). With a codec, the compressed tensors kept until their shard's end "
+                                  "take up to as much again")
     codec: Literal[CODEC_NAMES] = Field(
         "none", description="how the hidden states are stored: none; blosc2-zstd, blosc2-lz4 (lossless, on the "
                             "host: byte shuffle, then zstd or lz4); nvcomp-ans (lossless, on the GPU before the copy; "

@@ -28,8 +28,8 @@ from eagle_states.capture.spill import spill_file
 
 if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
-    from eagle_states.dataset.codec import Codec
     from eagle_states.capture.shard_writer import ShardWriter
+    from eagle_states.dataset.codec import Codec
 
 
 class Assembler:

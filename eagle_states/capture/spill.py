@@ -29,7 +29,9 @@ READ_BYTES = 64 << 20  # a piece read back: two at most are in memory (`ShardFil
 def spill_file(shard_path: str, num_tokens: int, codec: Codec) -> "SpillFile":
     """Where a sample of `num_tokens` rows is spilled, for a shard stored with `codec`: none, or a step codec (a CPU
     codec's samples are refused first, `assembler._to_spill`)."""
-    return EncodedSpillFile(shard_path, num_tokens, codec.name) if codec.on_device else SpillFile(shard_path, num_tokens)
+    if codec.on_device:
+        return EncodedSpillFile(shard_path, num_tokens, codec.name)
+    return SpillFile(shard_path, num_tokens)
 
 
 class SpillFile:

@@ -167,8 +167,8 @@ class ShardFileWriter:
         self.kept = kept  # where the kept compressed tensors are counted (`kept_bytes`); None: unbounded
         self.size: int | None = None  # set with the header
         self.digest: str | None = None
-        self._kept: dict[str, list | StreamedTensor] = {}  # with a codec: each tensor as written, for the digest at the
-        # end (a streamed one streamed again)
+        # with a codec: each tensor as written, for the digest at the end (a streamed one: streamed again then)
+        self._kept: dict[str, list | StreamedTensor] = {}
         self._encoded: dict[str, tuple[int, dict]] = {}  # a compressed tensor's stored size and header entry
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
         # the caller's time hashing, and waiting for the helper thread's writes (the rest of a shard's time in the

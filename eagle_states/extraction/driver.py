@@ -266,8 +266,8 @@ class CaptureConfig:
             self.told_spilled = True
             total = sum(len(shard.samples) for shard in shards)
             log.warning("samples too long for the capture's host buffer go through spill files beside their shards "
-                        "(their states written and read once more, twice with a codec): %d of %d. The longest: %s; raise it to keep "
-                        "them in memory", len(spilled), total, what)
+                        "(their states written and read once more, twice with a codec): %d of %d. The longest: %s; "
+                        "raise it to keep them in memory", len(spilled), total, what)
 
     def tell_tmpfs_pages(self) -> None:
         """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for
