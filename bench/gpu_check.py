@@ -28,6 +28,7 @@ the CPU build (DeepSeek with the CPU build's head sizes), to try the check itsel
 """
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -85,6 +86,9 @@ def spill_check(work: Path, params) -> tuple[bool, str]:
     """The codec's dataset made again by an engine with a host buffer so small (the pinned pool's least, 4 steps)
     that the samples past 2 steps are spilled as the codec encoded them: it must read back bit for bit."""
     spilled = params.override({"output.dir": str(work / "dataset-spilled"), "extract.host_buffer_gb": 0.0001})
+    # the last engine's memory all given back first: vLLM refuses to start when free memory grows while it profiles
+    gc.collect()
+    torch.cuda.empty_cache()
     engines = EngineHolder()
     try:
         run_extraction(Extraction(spilled), progress=False, engines=engines)
