@@ -28,7 +28,7 @@ the CPU build (DeepSeek with the CPU build's head sizes), to try the check itsel
 """
 
 import argparse
-import gc
+import multiprocessing
 import sys
 from pathlib import Path
 
@@ -82,19 +82,32 @@ def codec_check(work: Path, params, engines: EngineHolder, codec: str) -> tuple[
                 f"error {worst:.4f}" + (f", recorded per layer {recorded}" if recorded else ""))
 
 
-def spill_check(work: Path, params) -> tuple[bool, str]:
-    """The codec's dataset made again by an engine with a host buffer so small (the pinned pool's least, 4 steps)
-    that the samples past 2 steps are spilled as the codec encoded them: it must read back bit for bit."""
-    spilled = params.override({"output.dir": str(work / "dataset-spilled"), "extract.host_buffer_gb": 0.0001})
-    # the last engine's memory all given back first: vLLM refuses to start when free memory grows while it profiles
-    gc.collect()
-    torch.cuda.empty_cache()
+def _spilled_extraction(params_json: str, result) -> None:
+    """`spill_check`'s extraction, in a process of its own: the bytes it spilled into `result` (a queue)."""
+    from eagle_states.config import PipelineParams
+
     engines = EngineHolder()
     try:
-        run_extraction(Extraction(spilled), progress=False, engines=engines)
-        spilled_gb = engines.engine.capture_stats().spilled_bytes / 1e9
+        run_extraction(Extraction(PipelineParams.model_validate_json(params_json)), progress=False, engines=engines)
+        result.put(engines.engine.capture_stats().spilled_bytes)
     finally:
         engines.close()
+
+
+def spill_check(work: Path, params) -> tuple[bool, str]:
+    """The codec's dataset made again by an engine with a host buffer so small (the pinned pool's least, 4 steps)
+    that the samples past 2 steps are spilled as the codec encoded them: it must read back bit for bit. The engine
+    runs in a process of its own: on the H200, vLLM refused to start a second one in this process (free memory
+    grew while it profiled, 20 MB, whatever was given back first)."""
+    spilled = params.override({"output.dir": str(work / "dataset-spilled"), "extract.host_buffer_gb": 0.0001})
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    child = context.Process(target=_spilled_extraction, args=(spilled.model_dump_json(by_alias=True), result))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        return False, f"SPILL {params.extract.codec} FAIL: its extraction exited with {child.exitcode}"
+    spilled_gb = result.get() / 1e9
     differ = sum(not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                  for ours, again in zip(Dataset(Path(params.output.dir)), Dataset(work / "dataset-spilled"))
                  for a, b in zip(ours.hidden_states, again.hidden_states))
