@@ -363,12 +363,15 @@ SHARD_DIGEST = "blake3"
 SHARD_DIGESTS = (SHARD_DIGEST, "sha256")
 
 
-def shard_hasher(every_core: bool = False):
-    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`): one thread, or every
-    core for data held in memory and hashed at once."""
+def shard_hasher():
+    """The incremental hasher a shard writer feeds its stream to (`update`, `hexdigest`), on every core: a run's
+    last shards are hashed while the other writers are done. Into a huge-page tmpfs on the H200 (DeepSeek-V3 width,
+    uncompressed) the last sample reached its writer 0.17-0.19 s after the last forward pass against 0.24 s with a
+    thread per writer, and the capture ran at 0.946 x plain prefill against 0.927, the forward passes as fast
+    (bench/RESULTS.md, 2026-12-05, seventeenth)."""
     import blake3
 
-    return blake3.blake3(max_threads=blake3.blake3.AUTO) if every_core else blake3.blake3()
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 
 def file_digest(path: Path, algorithm: str = SHARD_DIGEST, block: int = 64 << 20) -> str:

@@ -181,7 +181,7 @@ class ShardFileWriter:
         self._io = self._stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-io"))
         self._encoders = self._stack.enter_context(
             ThreadPoolExecutor(max_workers=self.encode_threads, thread_name_prefix="shard-encode"))
-        self._writes, self._hasher, self._next = [], shard_hasher(every_core=self.codec.enabled), 0
+        self._writes, self._hasher, self._next = [], shard_hasher(), 0
         if self.codec.enabled:
             self._put(bytes(self.header.room))
         else:
