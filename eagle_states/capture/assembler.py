@@ -234,7 +234,7 @@ def _to_spill(plan: ShardPlan, pinned: PinnedPool, captured: dict) -> list[str]:
     encoded them (with a CPU codec, the driver refuses them first: `check_host_buffer`). Samples captured while
     generating are complete before their shard begins (in `captured`), held as copies."""
     spilled = [sid for sid, n in plan.num_tokens.items() if not pinned.fits(n) and sid not in captured]
-    if spilled and plan.codec.enabled and not plan.codec.on_device:
+    if spilled and plan.codec.holds_whole:
         raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the host buffer, "
                            f"and {plan.codec.name} compresses a sample held whole: it cannot be spilled")
     return spilled

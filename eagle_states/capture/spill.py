@@ -120,13 +120,13 @@ class EncodedSpillFile(SpillFile):
             self.heads[slot].append((head, self.bytes))
             self._write_at(piece.body, self.bytes)
 
-    def pieces(self, slot: int) -> Iterator[torch.Tensor]:
-        """Layer `slot`'s stored bytes, as its shard holds them: the frame's head, then the bodies read back."""
-        head, _ = frame_head(self.codec_name, [h for h, _ in self.heads[slot]])
+    def stream(self, slot: int) -> StreamedTensor:
+        """Layer `slot`'s state as its shard stores it, with the codec's record of it."""
+        head, record = frame_head(self.codec_name, [h for h, _ in self.heads[slot]])
+        return StreamedTensor(functools.partial(self._stored, head, slot), self.num_tokens, record)
+
+    def _stored(self, head: list[torch.Tensor], slot: int) -> Iterator[torch.Tensor]:
+        """The frame's head, then layer `slot`'s bodies read back."""
         yield from head
         for piece, offset in self.heads[slot]:
             yield from self._read(offset, piece.stored)
-
-    def stream(self, slot: int) -> StreamedTensor:
-        _, record = frame_head(self.codec_name, [h for h, _ in self.heads[slot]])
-        return StreamedTensor(functools.partial(self.pieces, slot), self.num_tokens, record)

@@ -72,6 +72,12 @@ class Codec:
         return self.name in STEP_CODECS
 
     @property
+    def holds_whole(self) -> bool:
+        """Compresses a tensor held whole in memory (Blosc2, on the host): such a tensor cannot be streamed, so a
+        sample too long for the capture's host buffer cannot be spilled with it."""
+        return self.enabled and not self.on_device
+
+    @property
     def lossy(self) -> bool:
         return self.name in LOSSY_CODECS
 

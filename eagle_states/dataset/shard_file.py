@@ -117,7 +117,7 @@ class ShardHeader:
         self.check_name(index, name)
         if not self.codec.encodes(self.dtypes[name]):
             return
-        if not self.codec.on_device:
+        if self.codec.holds_whole:
             raise ValueError(f"{self.file_name}: {name}: {self.codec.name} compresses a tensor held whole, not "
                              "streamed")
         if rows != self.specs[name][1][0]:

@@ -257,7 +257,7 @@ class CaptureConfig:
                 f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
                 f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
                 f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
-        if self.codec.enabled and not self.codec.on_device:
+        if self.codec.holds_whole:
             raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed or "
                                      f"with a GPU codec only, not with extract.codec {self.codec.name}, which "
                                      "compresses a sample held whole: raise it, lower prepare.max_length, or set "
