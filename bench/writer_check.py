@@ -9,7 +9,14 @@ fp8-e4m3) written as the capture's writer writes one, its samples' states framed
 once, side by side: how long the shard of the run's last step takes to reach the disk once its samples are
 captured.
 
+Then one sample of `--spill-tokens` written as its shard's writer writes it, held in memory and spilled (its steps
+added to a spill file, then its states streamed back from it to the shard and once more for a compressed shard's
+digest, `capture.spill`), side by side, uncompressed and with the `--framed` codec: what spilling costs the writer
+beside what it costs the disk (the seventeenth session's spilled nvcomp-ans shards took 18.5 s a writer on the H200,
+13.5 of them outside hashing and waiting for writes).
+
     python3 bench/writer_check.py DIR [--hidden 4096] [--samples 8] [--rounds 2] [--framed nvcomp-ans|fp8-e4m3]
+                                      [--spill-tokens 16384]
 """
 
 import argparse
@@ -23,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from disk_check import measure  # noqa: E402  (this script's directory is on the path)
 from framing_gil_check import pieces as framing_pieces  # noqa: E402
 from eagle_states.bench import write_like_a_shard  # noqa: E402
+from eagle_states.capture.spill import spill_file  # noqa: E402
 from eagle_states.dataset.codec import Codec  # noqa: E402
+from eagle_states.dataset.layout import key_hidden_state  # noqa: E402
 from eagle_states.dataset.shard_file import ShardFileWriter, sample_tensor_specs  # noqa: E402
 
 TOKENS, STATES = 2048, 4
@@ -54,6 +63,37 @@ def write_framed_shard(path: Path, samples: int, hidden: int, codec: Codec, stat
                             for dtype, shape in [specs[name]]})
 
 
+def write_spilled_sample(path: Path, tokens: int, hidden: int, codec: Codec, step: list,
+                         spill: bool) -> tuple[float, float]:
+    """A shard of one sample of `tokens` rows whose every state is `step` (a step's pieces, of TOKENS rows) again
+    and again, as the capture's shard writer writes it: held in memory, or spilled first. Returns (seconds spilling,
+    seconds writing the shard)."""
+    specs = sample_tensor_specs("s", tokens, STATES, hidden, torch.bfloat16)
+    slots = {key_hidden_state("s", slot): slot for slot in range(STATES)}
+    started, spilled = time.perf_counter(), None
+    if spill:
+        spilled = spill_file(str(path), tokens, codec)
+        for first in range(0, tokens, TOKENS):
+            row = first
+            for piece in step:
+                spilled.add(row, [piece] * STATES)
+                row += piece.rows if codec.enabled else piece.shape[0]
+    spilling, started = time.perf_counter() - started, time.perf_counter()
+    try:
+        with ShardFileWriter(path, specs, codec) as out:
+            for name in out.order:
+                if name not in slots:
+                    out.write(name, [torch.zeros(specs[name][1], dtype=specs[name][0])])
+                elif spilled is not None:
+                    out.write_streamed(name, spilled.stream(slots[name]))
+                else:
+                    out.write(name, step * (tokens // TOKENS))
+    finally:
+        if spilled is not None:
+            spilled.close()
+    return spilling, time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path)
@@ -61,6 +101,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples of 2,048 tokens a shard")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--framed", choices=["nvcomp-ans", "fp8-e4m3"], default="nvcomp-ans")
+    parser.add_argument("--spill-tokens", type=int, default=16384, help="the spilled sample's tokens (of 2,048 a step)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = torch.randn(TOKENS, args.hidden).to(torch.bfloat16)
@@ -85,6 +126,19 @@ def main() -> None:
         print(f"FRAMED one {args.framed} shard of {captured / 1e9:.2f} GB captured: the states framed one at a "
               f"time {took[1]:.3f} s, a sample's {STATES} at once {took[STATES]:.3f} s ({took[1] / took[STATES]:.2f} "
               "x)", flush=True)
+    steps = {"none": [torch.randn(TOKENS, args.hidden).to(torch.bfloat16)],
+             args.framed: framing_pieces(TOKENS, args.hidden)[args.framed]}
+    tokens = args.spill_tokens // TOKENS * TOKENS
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            path = args.dir / "spilled.safetensors"
+            _, held = write_spilled_sample(path, tokens, args.hidden, Codec(name), step, spill=False)
+            spilling, streamed = write_spilled_sample(path, tokens, args.hidden, Codec(name), step, spill=True)
+            stored = path.stat().st_size
+            path.unlink()
+            print(f"SPILLED {name}: one sample of {tokens:,} tokens, {stored / 1e9:.2f} GB stored: written held in "
+                  f"memory {held:.3f} s, spilled {spilling:.3f} s then written from its file {streamed:.3f} s "
+                  f"({streamed / held:.2f} x held)", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,17 @@ def disk_write_bandwidth(directory: Path, total_bytes: int = 2 << 30, streams: i
     return written / elapsed / 1e9
 
 
+def disk_bytes_written(directory: Path) -> int | None:
+    """What the block device under `directory` has written since it started, by the kernel's count (all files on
+    it, written back from the page cache or not); None where there is no such device (a tmpfs, an overlay)."""
+    dev = os.stat(directory).st_dev
+    try:
+        fields = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    except OSError:
+        return None
+    return int(fields[6]) * 512  # sectors written, of 512 bytes whatever the device's own
+
+
 _FALLOC_PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01
 
 
@@ -233,6 +244,7 @@ class _Bench:
         target = self.target
         shutil.rmtree(target, ignore_errors=True)
         before, allocator_before = self.engine.capture_stats(), _allocator_waits()
+        disk_before = disk_bytes_written(target.parent)
         t0 = time.monotonic()
         extraction = self.extraction_of(self.source, target, codec)  # reads and hashes the input, plans shards
         setup_s = time.monotonic() - t0
@@ -246,6 +258,7 @@ class _Bench:
             ended = time.monotonic()
         for done in freed:
             done.result()
+        disk_after = disk_bytes_written(target.parent)
         after = self.engine.capture_stats()
         shutil.rmtree(target, ignore_errors=True)
         # where the capture's extra time goes: reading the input, the forward pass waiting for host buffers
@@ -253,6 +266,8 @@ class _Bench:
         # the device's time in and between forward passes (compared with plain prefill's)
         capture_s = ended - t0
         row = {"capture_s": capture_s, "bytes_written": sum(s["bytes"] for s in manifest["shards"]),
+               # what the disk itself took meanwhile: the shards, and spill files the kernel wrote back
+               "disk_gb": None if disk_before is None else (disk_after - disk_before) / 1e9,
                "setup_s": setup_s, "forward_stalled_s": after.pinned_wait_s - before.pinned_wait_s,
                "drain_s": ended - after.last_forward_end, **_steps("capture", before, after),
                # the drain taken apart: what the host buffers still held when the last step was handed over, and
@@ -342,7 +357,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
             "capture_tok_s", "ratio", "ratio_to_last_forward", "write_gb_s", "setup_s", "forward_stalled_s",
             "drain_s", "drain_assembled_s", "drain_writes_s", "drain_recorded_s", "drain_backlog_gb",
             "capture_forward_s", "capture_between_forwards_s", "bytes_per_token_stored", "encode_gb_s_per_writer",
-            "encode_gb_s_device", "spilled_gb", *(f"writers_{key}" for key in WRITER_TIMES))}
+            "encode_gb_s_device", "spilled_gb", "disk_gb", *(f"writers_{key}" for key in WRITER_TIMES))}
         captures[codec]["shards"] = rows[0]["shards"]
         captures[codec]["compression_ratio"] = raw_bytes_per_token / captures[codec]["bytes_per_token_stored_median"]
     plain_tok_s = statistics.median(r["plain_tok_s"] for r in rounds_out)
@@ -422,6 +437,10 @@ def format_result(result: dict) -> str:
         if c["spilled_gb_median"]:
             lines.append(f"  {c['spilled_gb_median']:.2f} GB of states went through spill files (samples too long "
                          f"for extract.host_buffer_gb {result['host_buffer_gb']:g}): written and read once more")
+        if c["disk_gb_median"] is not None:
+            shards = c["bytes_per_token_stored_median"] * result["tokens_per_round"] / 1e9
+            lines.append(f"  the disk took {c['disk_gb_median']:.2f} GB while it ran, the shards {shards:.2f} GB of "
+                         f"them (the rest: spill files the kernel wrote back before they were removed, other files)")
     lines += [
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s ({result['write_threads']} files at once, as many as the "
         f"writer threads)",

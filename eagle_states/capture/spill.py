@@ -23,7 +23,7 @@ from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.shard_file import StreamedTensor
 from eagle_states.dataset.step_codecs import PieceHead, frame_head
 
-READ_BYTES = 64 << 20  # a piece read back: two at most are in memory (`ShardFileWriter.write_streamed`)
+READ_BYTES = 64 << 20  # a piece read back: two buffers of it per state streamed (`SpillFile._read`)
 
 
 def spill_file(shard_path: str, num_tokens: int, codec: Codec) -> "SpillFile":
@@ -62,23 +62,30 @@ class SpillFile:
             data, offset = data[done:], offset + done
             self.bytes += done
 
-    def _read(self, offset: int, nbytes: int, block: int = READ_BYTES) -> Iterator[torch.Tensor]:
-        """The file's bytes [offset, offset + nbytes), in uint8 tensors of at most `block` bytes."""
+    def _read(self, ranges: list[tuple[int, int]], block: int | None = None) -> Iterator[torch.Tensor]:
+        """The file's bytes in each range (offset, nbytes) in turn, as uint8 tensors of at most `block` bytes
+        (READ_BYTES by default), read into two buffers in turn: a piece is overwritten once the piece after next is
+        made (`StreamedTensor`). A new buffer for each piece is a new mapping, its pages faulted in by the read: on
+        the 2-core machine that took four times the read itself."""
+        block = min(block or READ_BYTES, max([1, *(nbytes for _, nbytes in ranges)]))
+        buffers = [torch.empty(block, dtype=torch.uint8) for _ in range(2)]
         with open(self.path, "rb", buffering=0) as f:  # `temp_file` opened the file write-only
-            for start in range(offset, offset + nbytes, block):
-                buffer = bytearray(min(block, offset + nbytes - start))
-                view, at = memoryview(buffer), start
-                while view:
-                    done = os.preadv(f.fileno(), [view], at)
-                    if done == 0:
-                        raise EOFError(f"{self.path}: ends at byte {at}, before {offset + nbytes}")
-                    view, at = view[done:], at + done
-                yield torch.frombuffer(buffer, dtype=torch.uint8)
+            for offset, nbytes in ranges:
+                for start in range(offset, offset + nbytes, block):
+                    piece = buffers[0][:min(block, offset + nbytes - start)]
+                    buffers.reverse()
+                    view, at = memoryview(piece.numpy()), start
+                    while view:
+                        done = os.preadv(f.fileno(), [view], at)
+                        if done == 0:
+                            raise EOFError(f"{self.path}: ends at byte {at}, before {offset + nbytes}")
+                        view, at = view[done:], at + done
+                    yield piece
 
     def pieces(self, slot: int) -> Iterator[torch.Tensor]:
         """Layer `slot`'s rows, in order, as tensors of at most READ_BYTES each."""
         rows_per_piece = max(1, READ_BYTES // self.row_bytes)
-        region = self._read(slot * self.num_tokens * self.row_bytes, self.num_tokens * self.row_bytes,
+        region = self._read([(slot * self.num_tokens * self.row_bytes, self.num_tokens * self.row_bytes)],
                             rows_per_piece * self.row_bytes)
         return (piece.view(self.dtype).view(-1, self.width) for piece in region)
 
@@ -128,5 +135,4 @@ class EncodedSpillFile(SpillFile):
     def _stored(self, head: list[torch.Tensor], slot: int) -> Iterator[torch.Tensor]:
         """The frame's head, then layer `slot`'s bodies read back."""
         yield from head
-        for piece, offset in self.heads[slot]:
-            yield from self._read(offset, piece.stored)
+        yield from self._read([(offset, piece.stored) for piece, offset in self.heads[slot]])

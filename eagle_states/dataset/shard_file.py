@@ -53,7 +53,8 @@ def sample_tensor_specs(sample_id: str, num_tokens: int, num_slots: int, hidden_
 class StreamedTensor:
     """A tensor too large to hold (a spilled sample's state), given as pieces made on demand: of its dtype, or of
     its stored bytes when a step codec encoded it (then `rows` and the codec's `record` of it say what the stored
-    bytes cannot). `pieces` may be called again, and gives the same pieces."""
+    bytes cannot). `pieces` may be called again, and gives the same pieces; a piece may be overwritten once the piece
+    after next is made (two at most are in memory: the one written, the one read)."""
     pieces: Callable[[], Iterable[torch.Tensor]]
     rows: int
     record: dict = field(default_factory=dict)

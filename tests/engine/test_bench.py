@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from eagle_states.bench import disk_bytes_written
 from eagle_states.dataset.files import tmpfs_huge_pages
 from helpers import REPO
 
@@ -67,6 +68,11 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     for c in result["captures"].values():
         assert c["disk_bound_ratio"] == pytest.approx(
             result["disk_write_gb_s"] * 1e9 / (result["plain_tok_s_median"] * c["bytes_per_token_stored_median"]))
+    # what the disk took while each capture ran, where the kernel counts it (none in memory): its shards at least
+    counted = disk_bytes_written(out) is not None
+    for c in (c for r in result["rounds"] for c in r["captures"].values()):
+        assert c["disk_gb"] * 1e9 >= c["bytes_written"] if counted else c["disk_gb"] is None
+    assert printed.count("the disk took") == (2 if counted else 0)  # a line per codec
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert result["peak_tree_rss_gb"] >= result["loaded_tree_rss_gb"] > 0 and result["host_buffer_gb"] == 8
     # a codec's kept tensors: the setting, and the oldest shard at the largest bytes a token stored: the largest

@@ -29,6 +29,22 @@ def test_free_disk_blocks_keeps_the_size_and_gives_the_blocks_back(tmp_path):
     assert path.read_bytes() == bytes(8 << 20)  # a hole reads as zeros
 
 
+def test_the_disks_count_of_bytes_written_grows_by_a_fsynced_files_size(tmp_path):
+    """The bench says what the disk took while a capture ran (its shards, and spill files the kernel wrote back
+    before they were removed): the kernel's count for the block device under a path; none in memory."""
+    from eagle_states.bench import disk_bytes_written
+
+    before = disk_bytes_written(tmp_path)
+    atomic_write_bytes(tmp_path / "f.bin", os.urandom(8 << 20))  # fsynced
+    after = disk_bytes_written(tmp_path)
+    if os.major(os.stat(tmp_path).st_dev) == 0:  # a tmpfs or an overlay: no device of its own
+        assert before is None and after is None
+    else:
+        assert after - before >= 8 << 20
+    if os.path.isdir("/dev/shm") and in_memory_filesystem("/dev/shm"):
+        assert disk_bytes_written(Path("/dev/shm")) is None
+
+
 def test_streaming_file_writes_every_byte(tmp_path, monkeypatch):
     monkeypatch.setattr(StreamingFile, "WRITEBACK_BYTES", 4096)  # hand ranges to the disk often
     pieces = [os.urandom(n) for n in (1, 4095, 4097, 10_000, 65_536, 3)]
