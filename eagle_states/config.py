@@ -20,7 +20,7 @@ DEFAULT_PARAMS_FILE = Path("params.yaml")
 # What decides a shard's bytes besides its samples, the model and the capture code. The batching settings are
 # here because a step's composition changes the float results (to the bit); `max_model_len` (which rows are
 # accepted), `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
-# `host_buffer_gb`,
+# `host_buffer_gb`, `spill_dir`,
 # `data_parallel_size`, `gpu_ids` and `codec_threads` change where and how fast, not what. The codec and its
 # level decide the stored bytes (not the states they decode to). States captured while generating
 # (`regenerate.capture`) come from other batches than a prefill's, so they differ in the last bits.
@@ -95,10 +95,13 @@ class ExtractParams(_Section):
                                "at the DeepSeek-V3 width to the disk 0.283 x plain prefill against 0.226 with 4)")
     host_buffer_gb: float = Field(8.0, gt=0, description="pinned host memory (GiB) for captured steps on their way "
                                   "to the shard writers: the capture's host memory, whatever the samples' length; a "
-                                  "sample whose states cannot fit goes through a spill file beside its shard "
+                                  "sample whose states cannot fit goes through a spill file (extract.spill_dir) "
                                   "(uncompressed or with a GPU codec; with a CPU codec it is refused before the "
                                   "model loads). With a codec, the compressed tensors kept until their shard's end "
                                   "take up to as much again")
+    spill_dir: Optional[str] = Field(None, description="where samples too long for host_buffer_gb are spilled, in "
+                                     "files with no name that nothing outlives (a local disk: with shards into RAM, "
+                                     "a disk keeps them out of RAM); null: beside their shards")
     codec: Literal[CODEC_NAMES] = Field(
         "none", description="how the hidden states are stored: none; blosc2-zstd, blosc2-lz4 (lossless, on the "
                             "host: byte shuffle, then zstd or lz4); nvcomp-ans (lossless, on the GPU before the copy; "

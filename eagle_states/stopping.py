@@ -51,8 +51,9 @@ def committing() -> Iterator[None]:
         yield
 
 
-def temp_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
-    """A new file (fd, path) at a random name, as `tempfile.mkstemp` makes one, tracked for removal by a stop
+def temp_file(directory: str, prefix: str, suffix: str, readable: bool = False) -> tuple[int, str]:
+    """A new file (fd, path) at a random name, as `tempfile.mkstemp` makes one (opened write-only, or for reading
+    too), tracked for removal by a stop
     (`untrack_temp` once it is renamed or removed). Made under the commit lock and refused once a stop has begun: a
     writer thread that made one while the handler removed the tracked ones would leave it behind. Tracked before it
     exists: the handler may run in this very thread (the main one) between any two steps."""
@@ -61,7 +62,8 @@ def temp_file(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
             path = os.path.join(directory, f"{prefix}{secrets.token_hex(4)}{suffix}")
             _temp_files.add(path)
             try:
-                return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), path
+                mode = os.O_RDWR if readable else os.O_WRONLY
+                return os.open(path, mode | os.O_CREAT | os.O_EXCL, 0o600), path
             except FileExistsError:
                 _temp_files.discard(path)
             except BaseException:

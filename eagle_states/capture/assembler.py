@@ -29,7 +29,6 @@ from eagle_states.capture.spill import spill_file
 if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
     from eagle_states.capture.shard_writer import ShardWriter
-    from eagle_states.dataset.codec import Codec
 
 
 class Assembler:
@@ -53,8 +52,7 @@ class Assembler:
         self.sample_ready = threading.Condition()  # a sample was completed, or writing must stop
         self.captured: dict[str, tuple[int, int]] = {}  # sample id -> (tokens, ids crc), until its shard ends
         self.open_shards: dict[str, OpenShard] = {}  # shard path -> between its markers
-        self.spill_to: dict[str, tuple[str, Codec]] = {}  # sample id -> its shard's (path, codec), for samples
-        # too long to hold
+        self.spill_to: dict[str, p.BeginShard] = {}  # sample id -> its shard's plan, for samples too long to hold
         self.finished: dict[str, EndedShard] = {}  # shard path -> until the driver's poll reports it
         self.stopping = False  # set by `discard`: writers waiting for samples give up
         self.failure: BaseException | None = None
@@ -101,8 +99,8 @@ class Assembler:
                                        "(prefix caching skipped cached rows? it must be off)")
                 sample = self.partial[sample_id] = PartialSample()
                 if sample_id in self.spill_to and step.states is not None and not generating:
-                    path, codec = self.spill_to[sample_id]
-                    sample.spill = spill_file(path, prompt_len, codec)
+                    shard = self.spill_to[sample_id]
+                    sample.spill = spill_file(shard.path, prompt_len, shard.codec, shard.spill_dir)
             elif first != sample.next:
                 raise CaptureError(f"sample {sample_id}: rows resume at position {first}, expected {sample.next}")
             keep = end if generating else min(end, start + prompt_len - first)  # decode rows are never stored
@@ -163,7 +161,7 @@ class Assembler:
         plan = ShardPlan(call.sample_ids, dict(zip(call.sample_ids, call.num_tokens)),
                          dict(zip(call.sample_ids, call.loss_masks)), call.codec)
         if self.shards is not None:
-            self.spill_to.update((sid, (call.path, call.codec)) for sid in _to_spill(plan, self.pinned, self.captured))
+            self.spill_to.update((sid, call) for sid in _to_spill(plan, self.pinned, self.captured))
         future = self.shards.submit(call.path, plan, self.take_complete) if self.shards is not None else None
         self.open_shards[call.path] = OpenShard(plan, future)
 

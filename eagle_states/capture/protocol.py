@@ -51,6 +51,7 @@ class BeginShard(Message):
     num_tokens: list[int]
     loss_masks: list[list[int]]
     codec: Codec = Codec()  # how its hidden states are stored (default: plain tensors)
+    spill_dir: str | None = None  # where its samples too long for the host buffer go (None: beside its file)
 
 
 class EndShard(Message):

@@ -1,5 +1,5 @@
 """A sample too long for the capture's host buffer (`extract.host_buffer_gb`, `handoff.fits_host_buffer`), spilled:
-its rows go to a file beside its shard as each step is assembled, so that its steps' pinned blocks are given back
+its rows go to a file (in `extract.spill_dir`, or beside its shard) as each step is assembled, so that its steps' pinned blocks are given back
 at once and host memory stays the setting's whatever the sample's length. Its shard's writer streams each layer
 back in pieces of READ_BYTES when the sample's turn comes (`shard_file.StreamedTensor`).
 
@@ -12,6 +12,7 @@ codec) of the sample's stored states; the page cache often serves the reads. Rea
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import os
 from typing import Iterator
@@ -20,28 +21,52 @@ import torch
 
 from eagle_states import stopping
 from eagle_states.dataset.codec import Codec
+from eagle_states.dataset.files import unnamed_file
 from eagle_states.dataset.shard_file import StreamedTensor
 from eagle_states.dataset.step_codecs import PieceHead, frame_head
 
 READ_BYTES = 64 << 20  # a piece read back: two buffers of it per state streamed (`SpillFile._read`)
+SPILL_DIR_REFUSED = ("its filesystem cannot make a file with no name (O_TMPFILE), which a spill file outside its "
+                     "dataset must be, so that a crash leaves nothing there: choose a local disk, or leave it unset "
+                     "(beside the shards)")
 
 
-def spill_file(shard_path: str, num_tokens: int, codec: Codec) -> "SpillFile":
+def check_spill_dir(directory: str) -> None:
+    """`extract.spill_dir`, before the model loads: made if missing, and able to hold spill files."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = unnamed_file(directory)
+    except OSError as exc:
+        raise ValueError(f"extract.spill_dir {directory}: {exc.strerror}") from None
+    if fd is None:
+        raise ValueError(f"extract.spill_dir {directory}: {SPILL_DIR_REFUSED}")
+    os.close(fd)
+
+
+def spill_file(shard_path: str, num_tokens: int, codec: Codec, directory: str | None = None) -> "SpillFile":
     """Where a sample of `num_tokens` rows is spilled, for a shard stored with `codec`: none, or a step codec (a CPU
-    codec's samples are refused first, `assembler._to_spill`)."""
+    codec's samples are refused first, `assembler._to_spill`); in `directory` (`extract.spill_dir`), or beside
+    the shard."""
     if codec.on_device:
-        return EncodedSpillFile(shard_path, num_tokens, codec.name)
-    return SpillFile(shard_path, num_tokens)
+        return EncodedSpillFile(shard_path, num_tokens, codec.name, directory)
+    return SpillFile(shard_path, num_tokens, directory)
 
 
 class SpillFile:
-    """One sample's states, [num_tokens, width] per captured layer, in a temp file named after its shard (so that
-    a crashed run's is removed like the shard's own temp file)."""
+    """One sample's states, [num_tokens, width] per captured layer, in a file with no name (`files.unnamed_file`)
+    in `directory`, or beside its shard: nothing of it outlives the process, however that ends. Where the shard's
+    filesystem cannot make one, a temp file named after the shard there, which a crashed run's next start removes
+    like the shard's own temp file; a `directory` that cannot is refused before the model loads
+    (`check_spill_dir`)."""
 
-    def __init__(self, shard_path: str, num_tokens: int):
-        directory, name = os.path.split(shard_path)
-        os.makedirs(directory, exist_ok=True)
-        self.fd, self.path = stopping.temp_file(directory, f".{name}.spill-", ".tmp")
+    def __init__(self, shard_path: str, num_tokens: int, directory: str | None = None):
+        beside, name = os.path.split(shard_path)
+        os.makedirs(directory or beside, exist_ok=True)
+        self.fd, self.path = unnamed_file(directory or beside), None
+        if self.fd is None:
+            if directory is not None:
+                raise OSError(errno.EOPNOTSUPP, f"extract.spill_dir {directory}: {SPILL_DIR_REFUSED}")
+            self.fd, self.path = stopping.temp_file(beside, f".{name}.spill-", ".tmp", readable=True)
         self.num_tokens = num_tokens
         self.dtype: torch.dtype | None = None  # the states', from the first rows added
         self.width = self.row_bytes = 0
@@ -69,18 +94,17 @@ class SpillFile:
         the 2-core machine that took four times the read itself."""
         block = min(block or READ_BYTES, max([1, *(nbytes for _, nbytes in ranges)]))
         buffers = [torch.empty(block, dtype=torch.uint8) for _ in range(2)]
-        with open(self.path, "rb", buffering=0) as f:  # `temp_file` opened the file write-only
-            for offset, nbytes in ranges:
-                for start in range(offset, offset + nbytes, block):
-                    piece = buffers[0][:min(block, offset + nbytes - start)]
-                    buffers.reverse()
-                    view, at = memoryview(piece.numpy()), start
-                    while view:
-                        done = os.preadv(f.fileno(), [view], at)
-                        if done == 0:
-                            raise EOFError(f"{self.path}: ends at byte {at}, before {offset + nbytes}")
-                        view, at = view[done:], at + done
-                    yield piece
+        for offset, nbytes in ranges:
+            for start in range(offset, offset + nbytes, block):
+                piece = buffers[0][:min(block, offset + nbytes - start)]
+                buffers.reverse()
+                view, at = memoryview(piece.numpy()), start
+                while view:
+                    done = os.preadv(self.fd, [view], at)
+                    if done == 0:
+                        raise EOFError(f"a spill file ends at byte {at}, before {offset + nbytes}")
+                    view, at = view[done:], at + done
+                yield piece
 
     def pieces(self, slot: int) -> Iterator[torch.Tensor]:
         """Layer `slot`'s rows, in order, as tensors of at most READ_BYTES each."""
@@ -97,21 +121,22 @@ class SpillFile:
         """Remove the file (written, or abandoned); once."""
         if self.fd < 0:
             return
-        os.close(self.fd)
+        os.close(self.fd)  # a file with no name goes with it
         self.fd = -1
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:  # a stop removed it
-            pass
-        stopping.untrack_temp(self.path)
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:  # a stop removed it
+                pass
+            stopping.untrack_temp(self.path)
 
 
 class EncodedSpillFile(SpillFile):
     """One sample's states as a step codec encoded them on the device (`step_codecs`): per captured layer, its
     pieces in row order, their heads in memory and their bodies in the file."""
 
-    def __init__(self, shard_path: str, num_tokens: int, codec_name: str):
-        super().__init__(shard_path, num_tokens)
+    def __init__(self, shard_path: str, num_tokens: int, codec_name: str, directory: str | None = None):
+        super().__init__(shard_path, num_tokens, directory)
         self.codec_name = codec_name
         self.heads: list[list[tuple[PieceHead, int]]] = []  # per layer slot: (a piece's head, its body's offset)
 

@@ -24,6 +24,7 @@ class ShardJob:
     path: Path
     samples: list[InputSample]
     codec: Codec = Codec()
+    spill_dir: str | None = None  # extract.spill_dir
 
 
 @dataclass
@@ -71,7 +72,8 @@ class CaptureWorkers:
         samples = in_file_order(job)
         self.call(p.BeginShard(path=str(job.path), sample_ids=[s.sample_id for s in samples],
                                num_tokens=[len(s.input_ids) for s in samples],
-                               loss_masks=[s.loss_mask.tolist() for s in samples], codec=job.codec))
+                               loss_masks=[s.loss_mask.tolist() for s in samples], codec=job.codec,
+                               spill_dir=job.spill_dir))
         self.queued[str(job.path)] = job
         self.reports[str(job.path)] = {}
         return samples

@@ -212,6 +212,19 @@ class DirectFile:
         os.close(self.fd)
 
 
+def unnamed_file(directory: str) -> int | None:
+    """A new file with no name in `directory` (O_TMPFILE), opened for reading and writing: nothing of it is left
+    once it is closed or its process ends, however that ends. None where the filesystem cannot make one (NFS, some
+    FUSE filesystems)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as exc:
+        # EISDIR: a kernel older than O_TMPFILE took it for O_DIRECTORY
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return None
+        raise
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Iterator[StreamingFile | DirectFile]:
     """A file at a temp name in the same directory, written through `StreamingFile` (or `DirectFile` with

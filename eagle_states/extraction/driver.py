@@ -22,6 +22,7 @@ from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings
 from eagle_states.capture.worker_calls import ShardJob, ShardResult
 from eagle_states.capture.handoff import blocks_held, fits_host_buffer, pinned_blocks
+from eagle_states.capture.spill import check_spill_dir
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.capture_format import (CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION,
@@ -212,7 +213,8 @@ class CaptureConfig:
         return hash_json({"shard": shard.name, "content": shard.content_hash, "config": self.config_hash})
 
     def job(self, shard: PlannedShard) -> ShardJob:
-        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples, self.codec)
+        return ShardJob(shard.name, layout.shard_path(self.out, shard.name), shard.samples, self.codec,
+                        self.params.extract.spill_dir)
 
     def write_receipt(self, shard: PlannedShard, result: ShardResult) -> dict:
         """The receipt that marks a shard finished (its file's hash and size, the keys it was made under)."""
@@ -240,8 +242,8 @@ class CaptureConfig:
 
     def check_host_buffer(self, shards: list[PlannedShard]) -> None:
         """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their
-        last: `handoff.fits_host_buffer`) are spilled, their rows written to a file beside their shard as they are
-        captured and read back when the shard's file reaches them. Uncompressed or with a step codec: with a CPU
+        last: `handoff.fits_host_buffer`) are spilled, their rows written to a file (in `extract.spill_dir`, or
+        beside their shard) as they are captured and read back when the shard's file reaches them. Uncompressed or with a step codec: with a CPU
         codec such a sample is refused here, before any model load. Host memory is the setting's, whatever the
         samples' length."""
         e = self.params.extract
@@ -262,12 +264,15 @@ class CaptureConfig:
                                      f"with a GPU codec only, not with extract.codec {self.codec.name}, which "
                                      "compresses a sample held whole: raise it, lower prepare.max_length, or set "
                                      "extract.codec none")
+        if e.spill_dir is not None:
+            check_spill_dir(e.spill_dir)
         if not self.told_spilled:
             self.told_spilled = True
             total = sum(len(shard.samples) for shard in shards)
-            log.warning("samples too long for the capture's host buffer go through spill files beside their shards "
-                        "(their states written and read once more, twice with a codec): %d of %d. The longest: %s; "
-                        "raise it to keep them in memory", len(spilled), total, what)
+            log.warning("samples too long for the capture's host buffer go through spill files %s (their states "
+                        "written and read once more, twice with a codec): %d of %d. The longest: %s; raise it to "
+                        "keep them in memory", f"in {e.spill_dir}" if e.spill_dir else "beside their shards",
+                        len(spilled), total, what)
 
     def tell_tmpfs_pages(self) -> None:
         """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for

@@ -111,14 +111,16 @@ def test_the_capture_writes_the_pinned_bytes(extracted, dtype, codec):
 
 def test_samples_spilled_past_a_tiny_host_buffer_give_the_same_shards(extracted, llama_model):
     """A 4-block host buffer (the least) holds samples of up to 2 steps (128 tokens): the 3 longer ones go through
-    spill files, uncompressed or as fp8-e4m3 encoded them, and every shard's bytes are those of the run that held
-    them all in memory."""
+    spill files, uncompressed or as fp8-e4m3 encoded them (beside their shards, or in extract.spill_dir), and every
+    shard's bytes are those of the run that held them all in memory."""
     tmp, prompts = extracted
     engines, spilled_bytes = EngineHolder(), {}
+    spill_dirs = {"none": None, "fp8-e4m3": tmp / "spill-fp8"}
     try:
         for codec in ("none", "fp8-e4m3"):
             params = extraction_params(llama_model, prompts, tmp / f"spilled-{codec}", dtype="float32", codec=codec,
-                                       **{**SETTINGS, "host_buffer_gb": 0.0001})
+                                       **{**SETTINGS, "host_buffer_gb": 0.0001,
+                                          "spill_dir": spill_dirs[codec] and str(spill_dirs[codec])})
             before = engines.engine.capture_stats().spilled_bytes if engines.engine is not None else 0
             run_extraction(Extraction(params), progress=False, engines=engines)
             spilled_bytes[codec] = engines.engine.capture_stats().spilled_bytes - before
@@ -131,6 +133,7 @@ def test_samples_spilled_past_a_tiny_host_buffer_give_the_same_shards(extracted,
         assert [s["blake3"] for s in read_manifest(tmp / f"spilled-{codec}")["shards"]] == \
             [s["blake3"] for s in read_manifest(tmp / f"float32-{codec}")["shards"]]
         assert not [p.name for p in (tmp / f"spilled-{codec}" / "shards").iterdir() if p.name.startswith(".")]
+    assert list(spill_dirs["fp8-e4m3"].iterdir()) == []  # made before the model loaded; its files had no name
 
 
 @pytest.mark.parametrize("dtype, codec", RELEASED_BEFORE_THE_FORMAT)

@@ -105,6 +105,21 @@ def test_a_sample_too_long_for_the_host_buffer_is_spilled_or_with_a_cpu_codec_re
     assert len(told) == 1 and "host buffer go through spill files beside their shards (their states written and " \
         "read once more, twice with a codec): 1 of 3. The longest: sample p001 (input row 2): 129 tokens" in told[0]
     assert told[0].endswith("extract.host_buffer_gb is 0.0001; raise it to keep them in memory")
+    # in extract.spill_dir, made if missing; one where no file can be made is named before the model loads
+    (workdir / "a-file").write_text("")
+    for spill_dir in (workdir / "spill", workdir / "a-file" / "spill"):
+        elsewhere = Extraction(extraction_params(llama_model, rows, workdir / "ds", dtype="float32",
+                                                 host_buffer_gb=0.0001, max_num_batched_tokens=64,
+                                                 spill_dir=str(spill_dir)))
+        caplog.clear()
+        if spill_dir.parent.name == "a-file":
+            with pytest.raises(ValueError, match=f"^extract.spill_dir {spill_dir}: Not a directory$"):
+                elsewhere.check_host_buffer(elsewhere.unfinished())
+            continue
+        with caplog.at_level(logging.WARNING):
+            elsewhere.check_host_buffer(elsewhere.unfinished())
+        assert f"go through spill files in {spill_dir} (their states" in caplog.records[0].getMessage()
+        assert spill_dir.is_dir()
     (workdir / "small.yaml").write_text("extract:\n  host_buffer_gb: 0.0001\n  max_num_batched_tokens: 64\n")
     with pytest.raises(AssertionError, match="an engine was started"):  # uncompressed: spilled, on to the engine
         main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",

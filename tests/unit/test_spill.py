@@ -3,6 +3,7 @@ its shard's writer streams each state back from it. The shard's bytes are those 
 uncompressed or as a step codec encoded it; the spill file goes once written or abandoned, and the writer refuses a
 streamed state of the wrong size, or one that streams other bytes for the digest than it wrote."""
 
+import os
 import queue
 
 import pytest
@@ -91,34 +92,63 @@ def test_a_spilled_sample_gives_the_bytes_of_one_held_in_memory(tmp_path, monkey
         assert states.dtype == torch.bfloat16 and torch.allclose(states, samples["a"][2], rtol=0.07, atol=0.02)
 
 
-def test_an_abandoned_spill_file_goes(tmp_path):
+def where(spilling: SpillFile) -> str:
+    """The directory of a spill file's open file, and its name there (a file with no name: none)."""
+    directory, name = os.path.split(os.readlink(f"/proc/self/fd/{spilling.fd}"))
+    return directory, None if name.endswith(" (deleted)") else name
+
+
+def test_a_spill_file_has_no_name_and_goes_with_its_sample(tmp_path):
+    """A file with no name (O_TMPFILE) beside its shard or in extract.spill_dir: nothing is left of it once its
+    sample is forgotten, or its process ends however it ends."""
+    for directory in (None, tmp_path / "spill"):
+        spilling = SpillFile(str(tmp_path / "shard-00000.safetensors"), 100, directory and str(directory))
+        spilling.add(0, list(torch.zeros(STATES, STEP, WIDTH)))
+        assert where(spilling) == (str(directory or tmp_path), None)
+        assert os.fstat(spilling.fd).st_size == (2 * 100 + STEP) * WIDTH * 4  # layer regions of 100 rows
+        fd = spilling.fd
+        CapturedSample(torch.arange(100), [], [], spilling).forget(PinnedPool(STATES, STEP, 1 << 20, 1))
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert [p.name for p in tmp_path.iterdir()] == ["spill"] and not list((tmp_path / "spill").iterdir())
+
+
+def test_where_a_file_with_no_name_cannot_be_made_a_spill_file_is_named_beside_its_shard(tmp_path, monkeypatch):
+    """NFS cannot make one: beside its shard a temp file named after it (removed at the next start of a crashed
+    run, like the shard's own); in extract.spill_dir, refused before the model loads."""
+    monkeypatch.setattr(spill, "unnamed_file", lambda directory: None)
     spilling = SpillFile(str(tmp_path / "shard-00000.safetensors"), 100)
     spilling.add(0, list(torch.zeros(STATES, STEP, WIDTH)))
-    assert [p.name.startswith(".shard-00000.safetensors.spill-") for p in tmp_path.iterdir()] == [True]
+    assert where(spilling)[1].startswith(".shard-00000.safetensors.spill-")
+    assert [p.name for p in tmp_path.iterdir()] == [where(spilling)[1]]
+    assert next(spilling.pieces(0)).shape == (100, WIDTH)  # read back through its own descriptor
     CapturedSample(torch.arange(100), [], [], spilling).forget(PinnedPool(STATES, STEP, 1 << 20, 1))
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="spill_dir .*: its filesystem cannot make a file with no name"):
+        spill.check_spill_dir(str(tmp_path / "spill"))
 
 
 def test_a_capture_discarded_midway_leaves_no_spill_file(tmp_path):
     """Through the assembler: a sample of 3 steps does not fit 4 blocks (its 3 steps and the next one's), so its
-    rows go to a spill file from its first step; a failure's discard removes it with the half-captured sample."""
+    rows go to a spill file from its first step, in the shard's spill directory; a failure's discard removes it
+    with the half-captured sample."""
     pinned = PinnedPool(STATES, STEP, 1, STATES * WIDTH * 4)  # the least: 4 blocks, samples of up to 2 steps
     work = queue.Queue()
     assembler = Assembler(work, ShardWriter(STATES, write_threads=1, pinned=pinned, kept_limit=1 << 30), pinned)
     n, states = 3 * STEP, torch.randn(STATES, 3 * STEP, WIDTH)
     work.put(p.BeginShard(path=str(tmp_path / "shard-00000.safetensors"), sample_ids=["a"], num_tokens=[n],
-                          loss_masks=[[1] * n]))
+                          loss_masks=[[1] * n], spill_dir=str(tmp_path / "spill")))
     for start in (0, STEP):  # two of its three steps
         rows = torch.arange(start, start + STEP)
         work.put(Step([StepRequest("a", 0, STEP, n, False, start)], rows, rows, list(states[:, start:start + STEP]),
                       block=None, copied=None))
     work.join()
     assert assembler.take_failure() is None
-    spilled = [p.name for p in tmp_path.iterdir()]
-    assert len(spilled) == 1 and spilled[0].startswith(".shard-00000.safetensors.spill-")
-    assert (tmp_path / spilled[0]).stat().st_size == (STATES - 1) * n * WIDTH * 4 + 2 * STEP * WIDTH * 4
+    spilled = assembler.partial["a"].spill
+    assert where(spilled) == (str(tmp_path / "spill"), None)
+    assert os.fstat(spilled.fd).st_size == (STATES - 1) * n * WIDTH * 4 + 2 * STEP * WIDTH * 4
     assert assembler.discard() == ["a"]
-    assert list(tmp_path.iterdir()) == []
+    assert spilled.fd == -1 and [p.name for p in tmp_path.iterdir()] == ["spill"]
 
 
 def test_a_streamed_state_of_the_wrong_size_is_refused(tmp_path):
