@@ -1,13 +1,14 @@
-"""A sample too long for the capture's host buffer (`extract.host_buffer_gb`, `handoff.fits_host_buffer`), spilled:
-its rows go to a file (in `extract.spill_dir`, or beside its shard) as each step is assembled, so that its steps' pinned blocks are given back
-at once and host memory stays the setting's whatever the sample's length. Its shard's writer streams each layer
-back in pieces of READ_BYTES when the sample's turn comes (`shard_file.StreamedTensor`).
+"""A sample too long for the capture's host buffer (`extract.host_buffer_gb`, `handoff.fits_host_buffer`), spilled: its
+rows go to a file (in `extract.spill_dir`, or beside its shard) as each step is assembled, so that its steps' pinned
+blocks are given back at once and host memory stays the setting's whatever the sample's length. Its shard's writer
+streams each layer back in pieces of READ_BYTES when the sample's turn comes (`shard_file.StreamedTensor`).
 
-Uncompressed (`SpillFile`), every captured layer has a region of its own. With a step codec (`EncodedSpillFile`),
-each piece's encoded body is appended as it comes (its size is known only then) and what its tensor's frame needs
-ahead of the bodies is kept in memory (`step_codecs.PieceHead`: fp8's per-row numbers, 12 bytes a row and layer);
-the shard's digest, taken at its end, reads the bodies once more. The cost is one more write and read (two with a
-codec) of the sample's stored states; the page cache often serves the reads. Reads nothing of vLLM."""
+Uncompressed (`SpillFile`), every captured layer has a region of its own. With a step codec (`EncodedSpillFile`), each
+piece's encoded body is appended as it comes (its size is known only then) and what its tensor's frame needs ahead of
+the bodies is kept in memory (`step_codecs.PieceHead`: fp8's per-row numbers, 12 bytes a row and layer); the shard's
+digest, taken at its end, reads the bodies once more. The cost is one more write and read (two with a codec) of the
+sample's stored states: the page cache often serves the reads, and past the kernel's dirty-page limits the writes go
+to the disk too. Reads nothing of vLLM."""
 
 from __future__ import annotations
 

@@ -241,11 +241,11 @@ class CaptureConfig:
                               host_buffer_bytes=int(e.host_buffer_gb * 2**30))
 
     def check_host_buffer(self, shards: list[PlannedShard]) -> None:
-        """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their
-        last: `handoff.fits_host_buffer`) are spilled, their rows written to a file (in `extract.spill_dir`, or
-        beside their shard) as they are captured and read back when the shard's file reaches them. Uncompressed or with a step codec: with a CPU
-        codec such a sample is refused here, before any model load. Host memory is the setting's, whatever the
-        samples' length."""
+        """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their last:
+        `handoff.fits_host_buffer`) are spilled, their rows written to a file (in `extract.spill_dir`, or beside their
+        shard) as they are captured and read back when the shard's file reaches them. Uncompressed or with a step codec:
+        with a CPU codec such a sample is refused here, before any model load. Host memory is the setting's, whatever
+        the samples' length."""
         e = self.params.extract
         row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
         budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
