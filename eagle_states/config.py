@@ -95,10 +95,9 @@ class ExtractParams(_Section):
                                "at the DeepSeek-V3 width to the disk 0.283 x plain prefill against 0.226 with 4)")
     host_buffer_gb: float = Field(8.0, gt=0, description="pinned host memory (GiB) for captured steps on their way "
                                   "to the shard writers: the capture's host memory, whatever the samples' length; a "
-                                  "sample whose states cannot fit goes through a spill file (extract.spill_dir) "
-                                  "(uncompressed or with a GPU codec; with a CPU codec it is refused before the "
-                                  "model loads). With a codec, the compressed tensors kept until their shard's end "
-                                  "take up to as much again")
+                                  "sample whose states cannot fit goes through a spill file (extract.spill_dir). "
+                                  "With a codec, the compressed tensors kept until their shard's end take up to as "
+                                  "much again")
     spill_dir: Optional[str] = Field(None, description="where samples too long for host_buffer_gb are spilled, in "
                                      "files with no name that nothing outlives (a local disk: with shards into RAM, "
                                      "a disk keeps them out of RAM); null: beside their shards")

@@ -228,14 +228,9 @@ class Assembler:
 
 
 def _to_spill(plan: ShardPlan, pinned: PinnedPool, captured: dict) -> list[str]:
-    """The samples of a shard whose steps the pinned pool cannot all hold: spilled, uncompressed or as a step codec
-    encoded them (with a CPU codec, the driver refuses them first: `check_host_buffer`). Samples captured while
-    generating are complete before their shard begins (in `captured`), held as copies."""
-    spilled = [sid for sid, n in plan.num_tokens.items() if not pinned.fits(n) and sid not in captured]
-    if spilled and plan.codec.holds_whole:
-        raise CaptureError(f"sample {spilled[0]}: {plan.num_tokens[spilled[0]]:,} tokens do not fit the host buffer, "
-                           f"and {plan.codec.name} compresses a sample held whole: it cannot be spilled")
-    return spilled
+    """The samples of a shard whose steps the pinned pool cannot all hold, to be spilled (`spill.spill_file`).
+    Samples captured while generating are complete before their shard begins (in `captured`), held as copies."""
+    return [sid for sid, n in plan.num_tokens.items() if not pinned.fits(n) and sid not in captured]
 
 
 def _copy_generating_rows(step: Step, ended: collections.OrderedDict[str, None]) -> dict:

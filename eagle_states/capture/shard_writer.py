@@ -55,7 +55,7 @@ class ShardWriter:
         try:
             order = shard_sample_order(plan.sample_ids)
             first, waited = self._take(take, order[0])
-            spilled = []  # with a codec: spilled samples written, whose files the digest reads again at the end
+            spilled = []  # with a step codec: spilled samples written, whose files the digest reads again at the end
             try:
                 width, dtype = first.state_width_and_dtype()  # the stream's, from the first captured rows
                 specs = {}
@@ -71,7 +71,7 @@ class ShardWriter:
                         try:
                             self._write_sample(out, sid, sample, plan.loss_masks[sid])
                         finally:
-                            if sample.spill is not None and plan.codec.enabled:
+                            if sample.spill is not None and plan.codec.on_device:
                                 spilled.append(sample)  # its spill file is read again for the digest at the end
                             else:
                                 sample.forget(self.pinned)

@@ -32,22 +32,26 @@ SPILL_DIR_REFUSED = ("its filesystem cannot make a file with no name (O_TMPFILE)
                      "(beside the shards)")
 
 
+class SpillDirUnusable(ValueError):
+    """`extract.spill_dir` cannot hold spill files."""
+
+
 def check_spill_dir(directory: str) -> None:
     """`extract.spill_dir`, before the model loads: made if missing, and able to hold spill files."""
     try:
         os.makedirs(directory, exist_ok=True)
         fd = unnamed_file(directory)
     except OSError as exc:
-        raise ValueError(f"extract.spill_dir {directory}: {exc.strerror}") from None
+        raise SpillDirUnusable(f"extract.spill_dir {directory}: {exc.strerror}") from None
     if fd is None:
-        raise ValueError(f"extract.spill_dir {directory}: {SPILL_DIR_REFUSED}")
+        raise SpillDirUnusable(f"extract.spill_dir {directory}: {SPILL_DIR_REFUSED}")
     os.close(fd)
 
 
 def spill_file(shard_path: str, num_tokens: int, codec: Codec, directory: str | None = None) -> "SpillFile":
-    """Where a sample of `num_tokens` rows is spilled, for a shard stored with `codec`: none, or a step codec (a CPU
-    codec's samples are refused first, `assembler._to_spill`); in `directory` (`extract.spill_dir`), or beside
-    the shard."""
+    """Where a sample of `num_tokens` rows is spilled, for a shard stored with `codec` (a step codec's as it encoded
+    them; a CPU codec's uncompressed, compressed as the shard's writer reads them back); in `directory`
+    (`extract.spill_dir`), or beside the shard."""
     if codec.on_device:
         return EncodedSpillFile(shard_path, num_tokens, codec.name, directory)
     return SpillFile(shard_path, num_tokens, directory)

@@ -5,16 +5,17 @@ fail again, later)."""
 import errno
 
 from eagle_states.capture.protocol import UnsupportedModelError
+from eagle_states.capture.spill import SpillDirUnusable
 from eagle_states.dataset.identity import ModelError
 from eagle_states.dataset.output_lock import OutputBusy
 from eagle_states.dataset.prepared import InputError
 from eagle_states.export import ExportRefused
-from eagle_states.extraction.driver import DatasetExists, HostBufferTooSmall
+from eagle_states.extraction.driver import DatasetExists
 from eagle_states.stopping import Stopping
 from eagle_states.validate import ValidationFailed
 
 DETERMINISTIC = (ValidationFailed, InputError, ExportRefused, UnsupportedModelError, ModelError, DatasetExists,
-                 HostBufferTooSmall, OutputBusy, Stopping, FileNotFoundError, IsADirectoryError, PermissionError,
+                 SpillDirUnusable, OutputBusy, Stopping, FileNotFoundError, IsADirectoryError, PermissionError,
                  KeyError)
 # errors of the file system that stay until someone acts (NoRoomError is an OSError with ENOSPC)
 PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:  # torch and numpy load when a tensor is encoded or decoded, not when settings are read
     import numpy as np
@@ -72,12 +72,6 @@ class Codec:
         return self.name in STEP_CODECS
 
     @property
-    def holds_whole(self) -> bool:
-        """Compresses a tensor held whole in memory (Blosc2, on the host): such a tensor cannot be streamed, so a
-        sample too long for the capture's host buffer cannot be spilled with it."""
-        return self.enabled and not self.on_device
-
-    @property
     def lossy(self) -> bool:
         return self.name in LOSSY_CODECS
 
@@ -118,17 +112,38 @@ class Codec:
 
         return step_codecs.frame(self.name, pieces)
 
-    def encode(self, pieces: list[torch.Tensor]) -> bytes:
-        """The pieces' concatenation along dim 0, compressed into one Blosc2 frame."""
+    def encode(self, pieces: Iterable[torch.Tensor], itemsize: int) -> bytes:
+        """The pieces' concatenation along dim 0 (of `itemsize` bytes an element), compressed into one Blosc2 frame
+        a chunk of CHUNK_BYTES at a time as they come: held in memory, or streamed from a spill file. A piece's
+        whole chunks are compressed where they lie; only a chunk across two pieces is copied first. The frame is
+        the one Blosc2 makes of the whole tensor at once (with one thread: with more, Blosc2's own bytes vary from
+        run to run once a chunk holds several of its blocks)."""
+        import numpy as np
         import torch
 
         blosc2 = _blosc2()
-        data = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).contiguous()
         cparams = {"codec": blosc2.Codec.ZSTD if self.name == "blosc2-zstd" else blosc2.Codec.LZ4,
-                   "clevel": self.level, "filters": [blosc2.Filter.SHUFFLE], "typesize": data.element_size(),
+                   "clevel": self.level, "filters": [blosc2.Filter.SHUFFLE], "typesize": itemsize,
                    "nthreads": self.threads}
-        flat = data.view(torch.uint8).reshape(-1).numpy()
-        return blosc2.SChunk(chunksize=CHUNK_BYTES, data=flat, cparams=cparams).to_cframe()
+        frame = blosc2.SChunk(chunksize=CHUNK_BYTES, cparams=cparams)
+        across, filled = None, 0  # the chunk that pieces end inside, and its bytes so far
+        for piece in pieces:
+            flat = piece.contiguous().view(torch.uint8).reshape(-1).numpy()
+            if filled:
+                n = min(CHUNK_BYTES - filled, flat.size)
+                across[filled:filled + n], filled, flat = flat[:n], filled + n, flat[n:]
+                if filled == CHUNK_BYTES:
+                    frame.append_data(across)
+                    filled = 0
+            whole = flat.size // CHUNK_BYTES * CHUNK_BYTES if not filled else 0
+            for start in range(0, whole, CHUNK_BYTES):
+                frame.append_data(flat[start:start + CHUNK_BYTES])
+            if whole < flat.size:
+                across = across if across is not None else np.empty(CHUNK_BYTES, np.uint8)
+                across[:flat.size - whole], filled = flat[whole:], flat.size - whole
+        if filled:
+            frame.append_data(across[:filled])
+        return frame.to_cframe()
 
 
 # what a lossy codec records of each tensor (`step_codecs.frame_head`): its rounding error and the states' norm,

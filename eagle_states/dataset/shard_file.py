@@ -14,7 +14,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -114,16 +114,26 @@ class ShardHeader:
 
     def check_streamed(self, index: int, name: str, rows: int) -> None:
         """`name` is the tensor at `index` in key order, and a tensor of `rows` rows can be streamed to it (a step
-        codec's as its stored bytes; the bytes of a plain one are counted as they come)."""
+        codec's as its stored bytes; the bytes of any other are counted as they come: `counted`)."""
         self.check_name(index, name)
-        if not self.codec.encodes(self.dtypes[name]):
+        if not (self.codec.on_device and self.codec.encodes(self.dtypes[name])):
             return
-        if self.codec.holds_whole:
-            raise ValueError(f"{self.file_name}: {name}: {self.codec.name} compresses a tensor held whole, not "
-                             "streamed")
         if rows != self.specs[name][1][0]:
             raise ValueError(f"{self.file_name}: {name} got {rows} encoded rows, the header says "
                              f"{self.specs[name][1][0]}")
+
+    def counted(self, name: str, pieces: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """A streamed tensor's pieces of its dtype, refused at the first past the header's size or of another dtype,
+        and at their end if short."""
+        dtype, nbytes, written = self.dtypes[name], self.nbytes[name], 0
+        for piece in pieces:
+            written += piece.numel() * piece.element_size()
+            if piece.dtype != dtype or written > nbytes:
+                raise ValueError(f"{self.file_name}: {name} got {written:,} bytes or more of {piece.dtype}, the "
+                                 f"header says {nbytes:,} bytes of {dtype}")
+            yield piece
+        if written != nbytes:
+            raise ValueError(f"{self.file_name}: {name} got {written:,} bytes, the header says {nbytes:,}")
 
     def check(self, index: int, name: str, pieces: list[torch.Tensor]) -> None:
         """`name` is the tensor at `index` in key order, and its pieces are what the header says."""
@@ -225,15 +235,7 @@ class ShardFileWriter:
         try:
             for name, pieces in tensors.items():
                 if name in encoded:
-                    stored, entry, spent = encoded[name].result()
-                    if self.kept is not None:
-                        self.kept.give_back(self.header.nbytes[name] - len(stored))
-                    self._encoded[name] = len(stored), entry
-                    self._kept[name] = [stored]
-                    self._put(stored)
-                    if not self.codec.on_device:
-                        self.encode_s += spent
-                        self.encoded_bytes += self.header.nbytes[name]
+                    self._put_encoded(name, *encoded[name].result())
                 else:
                     data = [p.contiguous().view(torch.uint8).numpy() for p in pieces]
                     if self.codec.enabled:  # token ids, loss masks: small
@@ -253,18 +255,22 @@ class ShardFileWriter:
         """The next tensor in key order, from pieces made while it is written (a spilled sample's state read back
         from its file, `capture.spill`): each is dropped once written, so that two at most are in memory whatever
         the tensor's size. With a step codec the pieces are its stored bytes, and they are made once more for the
-        digest at the shard's end rather than kept (checked against their CRC-32 then)."""
+        digest at the shard's end rather than kept (checked against their CRC-32 then). A CPU codec compresses the
+        pieces as they come, and its frame is kept as a held tensor's is."""
         self.header.check_streamed(self._next, name, tensor.rows)
-        encoded = self.codec.encodes(self.header.dtypes[name])
-        dtype, nbytes, written, crc = self.header.dtypes[name], self.header.nbytes[name], 0, 0
-        for piece in tensor.pieces():
+        dtype, encoded = self.header.dtypes[name], self.codec.encodes(self.header.dtypes[name])
+        if encoded and not self.codec.on_device:
+            if self.kept is not None:
+                self.kept.take(self.header.nbytes[name])
+            self._put_encoded(name, *self._encode(name, self.header.counted(name, tensor.pieces())))
+            self._next += 1
+            return
+        written, crc = 0, 0
+        for piece in (tensor.pieces() if encoded else self.header.counted(name, tensor.pieces())):
             data = piece.contiguous().view(torch.uint8).numpy()
             written += data.nbytes
             if encoded:
                 crc = zlib.crc32(data, crc)
-            elif piece.dtype != dtype or written > nbytes:
-                raise ValueError(f"{self.path.name}: {name} got {written:,} bytes or more of {piece.dtype}, the "
-                                 f"header says {nbytes:,} bytes of {dtype}")
             self._put(data)
             while len(self._writes) > 1:
                 self._wait_for_write(self._writes.pop(0))
@@ -272,11 +278,21 @@ class ShardFileWriter:
             shape = self.header.specs[name][1]
             self._encoded[name] = written, encoded_entry(DTYPES[dtype][0], shape, crc, tensor.record)
             self._kept[name] = tensor
-        elif written != nbytes:
-            raise ValueError(f"{self.path.name}: {name} got {written:,} bytes, the header says {nbytes:,}")
         self._next += 1
         while self._writes:
             self._wait_for_write(self._writes.pop(0))
+
+    def _put_encoded(self, name: str, stored, entry: dict, spent: float) -> None:
+        """A compressed tensor (`_encode`) to the file, kept for the digest; its room beyond its stored bytes given
+        back."""
+        if self.kept is not None:
+            self.kept.give_back(self.header.nbytes[name] - len(stored))
+        self._encoded[name] = len(stored), entry
+        self._kept[name] = [stored]
+        self._put(stored)
+        if not self.codec.on_device:
+            self.encode_s += spent
+            self.encoded_bytes += self.header.nbytes[name]
 
     def _hash_kept(self, name: str) -> None:
         """A compressed shard's tensor, in the digest: as kept in memory, or streamed again."""
@@ -293,14 +309,14 @@ class ShardFileWriter:
         if crc != self._encoded[name][1]["crc32"]:
             raise OSError(f"{self.path.name}: {name} streamed again for the digest gave other bytes than were written")
 
-    def _encode(self, name: str, pieces: list[torch.Tensor]) -> tuple[bytes | np.ndarray, dict, float]:
+    def _encode(self, name: str, pieces: Iterable) -> tuple[bytes | np.ndarray, dict, float]:
         """A hidden state's stored bytes, its header entry (with the CRC-32) and the time its encoding took."""
         dtype, shape = self.header.specs[name]
         started = time.perf_counter()
         if self.codec.on_device:
             stored, extra = self.codec.frame(pieces)
         else:
-            stored, extra = self.codec.encode(pieces), {}
+            stored, extra = self.codec.encode(pieces, dtype.itemsize), {}
         spent = time.perf_counter() - started
         return stored, encoded_entry(DTYPES[dtype][0], shape, zlib.crc32(stored), extra), spent
 

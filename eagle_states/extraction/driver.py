@@ -87,10 +87,6 @@ class NoRoomError(OSError):
     """The output's disk does not have room for the unfinished shards."""
 
 
-class HostBufferTooSmall(ValueError):
-    """A sample's states cannot fit the capture's host buffer (`extract.host_buffer_gb`)."""
-
-
 class DatasetExists(ValueError):
     """The output directory holds a finished dataset that this extraction would replace."""
 
@@ -243,9 +239,9 @@ class CaptureConfig:
     def check_host_buffer(self, shards: list[PlannedShard]) -> None:
         """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their last:
         `handoff.fits_host_buffer`) are spilled, their rows written to a file (in `extract.spill_dir`, or beside their
-        shard) as they are captured and read back when the shard's file reaches them. Uncompressed or with a step codec:
-        with a CPU codec such a sample is refused here, before any model load. Host memory is the setting's, whatever
-        the samples' length."""
+        shard) as they are captured and read back when the shard's file reaches them: uncompressed, or as a step codec
+        encoded them (a CPU codec compresses them as they are read back). Host memory is the setting's, whatever the
+        samples' length; a spill directory that cannot hold them is refused here, before any model load."""
         e = self.params.extract
         row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
         budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
@@ -259,19 +255,14 @@ class CaptureConfig:
                 f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
                 f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
                 f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
-        if self.codec.holds_whole:
-            raise HostBufferTooSmall(f"{what}; a sample that does not fit is spilled to the disk uncompressed or "
-                                     f"with a GPU codec only, not with extract.codec {self.codec.name}, which "
-                                     "compresses a sample held whole: raise it, lower prepare.max_length, or set "
-                                     "extract.codec none")
         if e.spill_dir is not None:
             check_spill_dir(e.spill_dir)
         if not self.told_spilled:
             self.told_spilled = True
             total = sum(len(shard.samples) for shard in shards)
             log.warning("samples too long for the capture's host buffer go through spill files %s (their states "
-                        "written and read once more, twice with a codec): %d of %d. The longest: %s; raise it to "
-                        "keep them in memory", f"in {e.spill_dir}" if e.spill_dir else "beside their shards",
+                        "written and read once more, twice with a GPU codec): %d of %d. The longest: %s; raise it "
+                        "to keep them in memory", f"in {e.spill_dir}" if e.spill_dir else "beside their shards",
                         len(spilled), total, what)
 
     def tell_tmpfs_pages(self) -> None:

@@ -111,13 +111,14 @@ def test_the_capture_writes_the_pinned_bytes(extracted, dtype, codec):
 
 def test_samples_spilled_past_a_tiny_host_buffer_give_the_same_shards(extracted, llama_model):
     """A 4-block host buffer (the least) holds samples of up to 2 steps (128 tokens): the 3 longer ones go through
-    spill files, uncompressed or as fp8-e4m3 encoded them (beside their shards, or in extract.spill_dir), and every
-    shard's bytes are those of the run that held them all in memory."""
+    spill files, uncompressed (with Blosc2 too: compressed as they are read back) or as fp8-e4m3 encoded them
+    (beside their shards, or in extract.spill_dir), and every shard's bytes are those of the run that held them all
+    in memory."""
     tmp, prompts = extracted
     engines, spilled_bytes = EngineHolder(), {}
-    spill_dirs = {"none": None, "fp8-e4m3": tmp / "spill-fp8"}
+    spill_dirs = {"none": None, "blosc2-zstd": None, "fp8-e4m3": tmp / "spill-fp8"}
     try:
-        for codec in ("none", "fp8-e4m3"):
+        for codec in spill_dirs:
             params = extraction_params(llama_model, prompts, tmp / f"spilled-{codec}", dtype="float32", codec=codec,
                                        **{**SETTINGS, "host_buffer_gb": 0.0001,
                                           "spill_dir": spill_dirs[codec] and str(spill_dirs[codec])})
@@ -128,7 +129,7 @@ def test_samples_spilled_past_a_tiny_host_buffer_give_the_same_shards(extracted,
         engines.close()
     rows = 190 + 129 + 150
     # rows x captured layers x hidden x float32; fp8's codes a byte each (its scales stay in memory until written)
-    assert spilled_bytes == {"none": rows * 4 * 256 * 4, "fp8-e4m3": rows * 4 * 256}
+    assert spilled_bytes == {"none": rows * 4 * 256 * 4, "blosc2-zstd": rows * 4 * 256 * 4, "fp8-e4m3": rows * 4 * 256}
     for codec in spilled_bytes:
         assert [s["blake3"] for s in read_manifest(tmp / f"spilled-{codec}")["shards"]] == \
             [s["blake3"] for s in read_manifest(tmp / f"float32-{codec}")["shards"]]

@@ -87,61 +87,45 @@ def test_a_dataset_that_does_not_fit_is_refused_before_the_model_loads(workdir, 
     assert not (workdir / "ds").exists()
 
 
-def test_a_sample_too_long_for_the_host_buffer_is_spilled_or_with_a_cpu_codec_refused_before_the_model_loads(
+def test_a_sample_too_long_for_the_host_buffer_is_spilled_with_any_codec_where_the_settings_say(
         workdir, capsys, caplog, llama_model):
     """The capture's host memory is extract.host_buffer_gb whatever the samples' length: a sample whose steps
-    cannot all fit goes through a spill file, which stores states uncompressed or as a GPU codec encoded them, so
-    with a CPU codec (which compresses a sample held whole) it is named at once (a tiny buffer still has 4 steps of
-    room)."""
+    cannot all fit (a tiny buffer still has 4 steps of room) goes through a spill file, beside its shard or in
+    extract.spill_dir, uncompressed or with any codec; the run says so once, and a spill directory where no file can
+    be made is named before the model loads."""
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 129, [5] * 90])
-    # what an uncompressed run says, once (the check runs before the engine starts and again in the run); read
-    # before the command line runs, which hands the root logger to Prefect's handlers
-    extraction = Extraction(extraction_params(llama_model, rows, workdir / "ds", dtype="float32",
-                                              host_buffer_gb=0.0001, max_num_batched_tokens=64))
-    with caplog.at_level(logging.WARNING):
-        extraction.check_host_buffer(extraction.unfinished())
-        extraction.check_host_buffer(extraction.unfinished())
-    told = [r.getMessage() for r in caplog.records if "spill files" in r.getMessage()]
-    assert len(told) == 1 and "host buffer go through spill files beside their shards (their states written and " \
-        "read once more, twice with a codec): 1 of 3. The longest: sample p001 (input row 2): 129 tokens" in told[0]
-    assert told[0].endswith("extract.host_buffer_gb is 0.0001; raise it to keep them in memory")
-    # in extract.spill_dir, made if missing; one where no file can be made is named before the model loads
-    (workdir / "a-file").write_text("")
-    for spill_dir in (workdir / "spill", workdir / "a-file" / "spill"):
-        elsewhere = Extraction(extraction_params(llama_model, rows, workdir / "ds", dtype="float32",
-                                                 host_buffer_gb=0.0001, max_num_batched_tokens=64,
-                                                 spill_dir=str(spill_dir)))
+    # what a run says, once (the check runs before the engine starts and again in the run); read before the command
+    # line runs, which hands the root logger to Prefect's handlers
+    for spill_dir in (None, workdir / "spill"):
+        extraction = Extraction(extraction_params(llama_model, rows, workdir / "ds", dtype="float32",
+                                                  host_buffer_gb=0.0001, max_num_batched_tokens=64,
+                                                  spill_dir=spill_dir and str(spill_dir)))
         caplog.clear()
-        if spill_dir.parent.name == "a-file":
-            with pytest.raises(ValueError, match=f"^extract.spill_dir {spill_dir}: Not a directory$"):
-                elsewhere.check_host_buffer(elsewhere.unfinished())
-            continue
         with caplog.at_level(logging.WARNING):
-            elsewhere.check_host_buffer(elsewhere.unfinished())
-        assert f"go through spill files in {spill_dir} (their states" in caplog.records[0].getMessage()
-        assert spill_dir.is_dir()
+            extraction.check_host_buffer(extraction.unfinished())
+            extraction.check_host_buffer(extraction.unfinished())
+        told = [r.getMessage() for r in caplog.records if "spill files" in r.getMessage()]
+        where = f"in {spill_dir}" if spill_dir else "beside their shards"
+        assert len(told) == 1 and f"host buffer go through spill files {where} (their states written and read " \
+            "once more, twice with a GPU codec): 1 of 3. The longest: sample p001 (input row 2): 129 tokens x 4 " \
+            "layers x hidden 256 x float32" in told[0]
+        assert told[0].endswith("in steps of 64 tokens: it needs 0.00612 GiB, extract.host_buffer_gb is 0.0001; "
+                                "raise it to keep them in memory")
+    assert (workdir / "spill").is_dir()  # made if missing
     (workdir / "small.yaml").write_text("extract:\n  host_buffer_gb: 0.0001\n  max_num_batched_tokens: 64\n")
-    with pytest.raises(AssertionError, match="an engine was started"):  # uncompressed: spilled, on to the engine
-        main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
-              "--dtype", "float32"])
-    shutil.rmtree(workdir / "ds", ignore_errors=True)
-    capsys.readouterr()  # its lines
-    line = fails(capsys, "extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows),
-                 "--out", "ds", "--dtype", "float32", "--codec", "blosc2-zstd")
-    assert "sample p001 (input row 2): 129 tokens x 4 layers x hidden 256 x float32" in line
-    assert "in steps of 64 tokens: it needs 0.00612 GiB, extract.host_buffer_gb is 0.0001" in line
-    assert line.endswith("spilled to the disk uncompressed or with a GPU codec only, not with extract.codec "
-                         "blosc2-zstd, which compresses a sample held whole: raise it, lower prepare.max_length, or "
-                         "set extract.codec none")
+    for codec in ("none", "blosc2-zstd", "fp8-e4m3"):
+        with pytest.raises(AssertionError, match="an engine was started"):  # spilled: on to the engine
+            main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out",
+                  "ds", "--dtype", "float32", "--codec", codec])
+        shutil.rmtree(workdir / "ds", ignore_errors=True)
+    capsys.readouterr()  # their lines
+    (workdir / "a-file").write_text("")
+    (workdir / "blocked.yaml").write_text("extract:\n  host_buffer_gb: 0.0001\n  max_num_batched_tokens: 64\n"
+                                          "  spill_dir: a-file/spill\n")
+    line = fails(capsys, "extract", "--params", "blocked.yaml", "--model", str(llama_model), "--input", str(rows),
+                 "--out", "ds", "--dtype", "float32")
+    assert line.endswith("extract.spill_dir a-file/spill: Not a directory")
     assert not (workdir / "ds").exists()
-    with pytest.raises(AssertionError, match="an engine was started"):  # a step codec's: spilled, on to the engine
-        main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
-              "--dtype", "float32", "--codec", "fp8-e4m3"])
-    shutil.rmtree(workdir / "ds", ignore_errors=True)
-    rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 128, [5] * 90])
-    with pytest.raises(AssertionError, match="an engine was started"):  # 128 tokens fit: on to the engine
-        main(["extract", "--params", "small.yaml", "--model", str(llama_model), "--input", str(rows), "--out", "ds",
-              "--dtype", "float32", "--codec", "blosc2-zstd"])
 
 
 class Told(logging.Handler):

@@ -63,6 +63,31 @@ def test_random_states_compress_and_a_plain_shard_has_no_codec_metadata(tmp_path
     assert ShardReader(plain).codec == {"name": "none"}
 
 
+def test_pieces_compressed_as_they_come_make_the_frame_of_the_whole_tensor(monkeypatch):
+    """Blosc2 compresses a state a chunk at a time as its pieces come (a spilled one streamed from its file): a
+    chunk within a piece where it lies, one across pieces copied first. The frame is Blosc2's of the whole tensor
+    at once, and decodes to it."""
+    import blosc2
+
+    from eagle_states.dataset import codec as codec_module
+
+    monkeypatch.setattr(codec_module, "CHUNK_BYTES", 1536)  # 8 rows of 96 bf16 values
+    torch.manual_seed(0)
+    whole = torch.randn(100, 96).to(torch.bfloat16)
+    # pieces ending inside a chunk, a piece of several chunks, one within a chunk, one ending on a chunk's boundary
+    cuts = [0, 3, 30, 31, 40, 100]
+    pieces = [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+    for codec in (ZSTD, LZ4):
+        frame = codec.encode(iter(pieces), 2)
+        cparams = {"codec": blosc2.Codec.ZSTD if codec is ZSTD else blosc2.Codec.LZ4, "clevel": 1,
+                   "filters": [blosc2.Filter.SHUFFLE], "typesize": 2, "nthreads": 1}
+        flat = whole.view(torch.uint8).reshape(-1).numpy()
+        assert frame == blosc2.SChunk(chunksize=1536, data=flat, cparams=cparams).to_cframe()
+        decoded = blosc2.schunk_from_cframe(frame)
+        assert decoded.nchunks == 13 and decoded[:] == flat.tobytes()
+        assert codec.encode([whole], 2) == frame
+
+
 def test_the_same_tensors_give_the_same_bytes_whatever_the_thread_count(tmp_path):
     tensors = sample_tensors(torch.bfloat16)
     one = write_shard_file(tmp_path / "a.safetensors", tensors, Codec("blosc2-zstd", threads=1))

@@ -17,6 +17,7 @@ from eagle_states.capture.handoff import CapturedSample, ShardPlan, Step, StepRe
 from eagle_states.capture.shard_writer import ShardWriter
 from eagle_states.capture.spill import SpillFile, spill_file
 from eagle_states.dataset import step_codecs
+from eagle_states.dataset import codec as codec_module
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.shard_file import ShardFileWriter, ShardReader, StreamedTensor, sample_tensor_specs
 from eagle_states.dataset.step_codecs import NvcompPiece, fp8_ans_encode_step, fp8_encode_step
@@ -27,14 +28,14 @@ STATES, WIDTH, STEP = 3, 48, 64  # captured layers, hidden size, rows per step
 
 def steps_of(states: torch.Tensor, codec: str = "none") -> list[tuple[int, list]]:
     """A sample's [layer, token, hidden] states as chunked prefill hands them over: (first row, a piece per layer),
-    plain or as a step codec encoded them (nvcomp-ans and fp8-e4m3-ans with stand-ins for nvCOMP's ANS, which
-    needs a CUDA device: the bytes framed are what they are)."""
+    plain (a CPU codec's too) or as a step codec encoded them (nvcomp-ans and fp8-e4m3-ans with stand-ins for
+    nvCOMP's ANS, which needs a CUDA device: the bytes framed are what they are)."""
     out = []
     for start in range(0, states.shape[1], STEP):
         step = states[:, start:start + STEP]
         rows = step.shape[1]
-        if codec == "none":
-            pieces = list(step)
+        if not Codec(codec).on_device:
+            pieces = [layer.clone() for layer in step]  # a pinned block of its own
         elif codec == "nvcomp-ans":  # buffers of odd sizes, as ANS's are
             pieces = [NvcompPiece(layer.reshape(-1).view(torch.uint8)[:rows * WIDTH + slot].clone(), rows, WIDTH,
                                   step.dtype) for slot, layer in enumerate(step)]
@@ -59,11 +60,10 @@ def write(tmp_path, name: str, samples: dict[str, torch.Tensor], spilled: set[st
         spilling = spill_file(path, n, Codec(codec))
         for first, pieces in steps:
             spilling.add(first, pieces)
-            if codec != "none":  # the step's pinned block goes back to the pool and is filled again
-                for piece in pieces:
-                    piece.body.fill_(0)
-                    getattr(piece, "aux", torch.empty(0)).fill_(0)
-        stored = [piece.body if codec != "none" else piece for _, pieces in steps for piece in pieces]
+            for piece in pieces:  # the step's pinned block goes back to the pool and is filled again
+                getattr(piece, "body", piece).fill_(0)
+                getattr(piece, "aux", torch.empty(0)).fill_(0)
+        stored = [getattr(piece, "body", piece) for _, pieces in steps for piece in pieces]
         assert spilling.bytes == sum(t.numel() * t.element_size() for t in stored)
         return CapturedSample(torch.arange(n), [], [], spilling)
 
@@ -75,9 +75,10 @@ def write(tmp_path, name: str, samples: dict[str, torch.Tensor], spilled: set[st
     return (tmp_path / name).read_bytes()
 
 
-@pytest.mark.parametrize("codec", ["none", "fp8-e4m3", "nvcomp-ans", "fp8-e4m3-ans"])
+@pytest.mark.parametrize("codec", ["none", "blosc2-zstd", "fp8-e4m3", "nvcomp-ans", "fp8-e4m3-ans"])
 def test_a_spilled_sample_gives_the_bytes_of_one_held_in_memory(tmp_path, monkeypatch, codec):
     monkeypatch.setattr(spill, "READ_BYTES", 1000)  # a state read back in many pieces, the last one short
+    monkeypatch.setattr(codec_module, "CHUNK_BYTES", 1536)  # Blosc2's chunks across the pieces of both
     monkeypatch.setattr(step_codecs, "nvcomp_version", lambda: "6.0.0")  # the codec's record, without nvCOMP here
     torch.manual_seed(0)
     samples = {"a": torch.randn(STATES, 300, WIDTH).to(torch.bfloat16),
@@ -163,9 +164,9 @@ def test_a_streamed_state_of_the_wrong_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="got 9 encoded rows, the header says 10"):
         with ShardFileWriter(tmp_path / "x.safetensors", specs, Codec("fp8-e4m3")) as out:
             out.write_streamed("s/hidden_states/0", StreamedTensor(lambda: [torch.zeros(9 * (4 + WIDTH))], 9))
-    with pytest.raises(ValueError, match="blosc2-zstd compresses a tensor held whole, not streamed"):
+    with pytest.raises(ValueError, match="got 1,728 bytes, the header says 1,920"):  # compressed as they come
         with ShardFileWriter(tmp_path / "x.safetensors", specs, Codec("blosc2-zstd")) as out:
-            out.write_streamed("s/hidden_states/0", StreamedTensor(lambda: [torch.zeros(10, WIDTH)], 10))
+            out.write_streamed("s/hidden_states/0", StreamedTensor(lambda: [torch.zeros(9, WIDTH)], 10))
     assert list(tmp_path.iterdir()) == []
 
 
