@@ -53,7 +53,7 @@ def states_ratio(model, samples: list[torch.Tensor], layers: LayerSelection) -> 
                 state = (out.hidden_states[k] if k < layers.num_layers else model._final_state)[0].bfloat16()
                 raw[k] += state.nbytes
                 for codec in CODECS:
-                    stored[codec.name][k] += len(codec.encode([state]))
+                    stored[codec.name][k] += len(codec.encode([state], state.element_size()))
     return {name: {**{str(k): raw[k] / s[k] for k in s}, "all": sum(raw.values()) / sum(s.values())}
             for name, s in stored.items()}
 
@@ -85,7 +85,7 @@ def main() -> None:
               "random_weights": states_ratio(model, held_out, layers)}
     torch.manual_seed(0)
     noise = torch.randn(4096, args.hidden).bfloat16()
-    result["random_normal"] = {c.name: noise.nbytes / len(c.encode([noise])) for c in CODECS}
+    result["random_normal"] = {c.name: noise.nbytes / len(c.encode([noise], noise.element_size())) for c in CODECS}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     started, losses = time.time(), []

@@ -36,11 +36,11 @@ def states_of(dataset: Path | None, tokens: int, hidden: int) -> list[torch.Tens
 def measure(states: list[torch.Tensor], codec: Codec, writers: int, repeat: int) -> tuple[float, float]:
     """(GB/s taken in by `writers` threads encoding at once, compression ratio)."""
     raw = sum(t.nbytes for t in states)
-    stored = sum(len(codec.encode([t])) for t in states)  # also warms the library up
+    stored = sum(len(codec.encode([t], t.element_size())) for t in states)  # also warms the library up
     jobs = [t for _ in range(repeat * writers) for t in states]
     with ThreadPoolExecutor(writers) as pool:
         started = time.perf_counter()
-        list(pool.map(lambda t: codec.encode([t]), jobs))
+        list(pool.map(lambda t: codec.encode([t], t.element_size()), jobs))
         elapsed = time.perf_counter() - started
     return raw * repeat * writers / elapsed / 1e9, raw / stored
 

@@ -11,9 +11,9 @@ captured.
 
 Then one sample of `--spill-tokens` written as its shard's writer writes it, held in memory and spilled (its steps
 added to a spill file, then its states streamed back from it to the shard and once more for a compressed shard's
-digest, `capture.spill`), side by side, uncompressed and with the `--framed` codec: what spilling costs the writer
-beside what it costs the disk (the seventeenth session's spilled nvcomp-ans shards took 18.5 s a writer on the H200,
-13.5 of them outside hashing and waiting for writes).
+digest, `capture.spill`), side by side, uncompressed, with Blosc2 (compressed as it is read back) and with the
+`--framed` codec: what spilling costs the writer beside what it costs the disk (the seventeenth session's spilled
+nvcomp-ans shards took 18.5 s a writer on the H200, 13.5 of them outside hashing and waiting for writes).
 
     python3 bench/writer_check.py DIR [--hidden 4096] [--samples 8] [--rounds 2] [--framed nvcomp-ans|fp8-e4m3]
                                       [--spill-tokens 16384]
@@ -77,7 +77,7 @@ def write_spilled_sample(path: Path, tokens: int, hidden: int, codec: Codec, ste
             row = first
             for piece in step:
                 spilled.add(row, [piece] * STATES)
-                row += piece.rows if codec.enabled else piece.shape[0]
+                row += piece.rows if codec.on_device else piece.shape[0]
     spilling, started = time.perf_counter() - started, time.perf_counter()
     try:
         with ShardFileWriter(path, specs, codec) as out:
@@ -126,8 +126,8 @@ def main() -> None:
         print(f"FRAMED one {args.framed} shard of {captured / 1e9:.2f} GB captured: the states framed one at a "
               f"time {took[1]:.3f} s, a sample's {STATES} at once {took[STATES]:.3f} s ({took[1] / took[STATES]:.2f} "
               "x)", flush=True)
-    steps = {"none": [torch.randn(TOKENS, args.hidden).to(torch.bfloat16)],
-             args.framed: framing_pieces(TOKENS, args.hidden)[args.framed]}
+    plain = [torch.randn(TOKENS, args.hidden).to(torch.bfloat16)]
+    steps = {"none": plain, "blosc2-zstd": plain, args.framed: framing_pieces(TOKENS, args.hidden)[args.framed]}
     tokens = args.spill_tokens // TOKENS * TOKENS
     for _ in range(args.rounds):
         for name, step in steps.items():
