@@ -66,8 +66,9 @@ class SpillFile:
 
     def __init__(self, shard_path: str, num_tokens: int, directory: str | None = None):
         beside, name = os.path.split(shard_path)
-        os.makedirs(directory or beside, exist_ok=True)
-        self.fd, self.path = unnamed_file(directory or beside), None
+        self.directory = directory or beside  # where the file is: a full disk's error names it
+        os.makedirs(self.directory, exist_ok=True)
+        self.fd, self.path = unnamed_file(self.directory), None
         if self.fd is None:
             if directory is not None:
                 raise OSError(errno.EOPNOTSUPP, f"extract.spill_dir {directory}: {SPILL_DIR_REFUSED}")
@@ -88,7 +89,10 @@ class SpillFile:
     def _write_at(self, data: torch.Tensor, offset: int) -> None:
         data = memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
         while data:  # a write may stop short (above 2 GiB, on a signal)
-            done = os.pwrite(self.fd, data, offset)
+            try:
+                done = os.pwrite(self.fd, data, offset)
+            except OSError as exc:  # "No space left on device" names no file, and this one has no name
+                raise OSError(exc.errno, f"{exc.strerror} (a sample spilled there)", self.directory) from exc
             data, offset = data[done:], offset + done
             self.bytes += done
 

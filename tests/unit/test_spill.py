@@ -3,8 +3,10 @@ its shard's writer streams each state back from it. The shard's bytes are those 
 uncompressed or as a step codec encoded it; the spill file goes once written or abandoned, and the writer refuses a
 streamed state of the wrong size, or one that streams other bytes for the digest than it wrote."""
 
+import errno
 import os
 import queue
+import subprocess
 
 import pytest
 import torch
@@ -112,6 +114,23 @@ def test_a_spill_file_has_no_name_and_goes_with_its_sample(tmp_path):
         with pytest.raises(OSError):
             os.fstat(fd)
     assert [p.name for p in tmp_path.iterdir()] == ["spill"] and not list((tmp_path / "spill").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root: there it runs)")
+def test_a_full_spill_directory_is_named(tmp_path):
+    """A disk that fills while a sample is spilled: the error names the directory (its file has no name)."""
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
+    try:
+        spilling = SpillFile(str(tmp_path / "shard-00000.safetensors"), 1000, str(full))
+        with pytest.raises(OSError) as refused:
+            spilling.add(0, list(torch.zeros(STATES, 1000, WIDTH)))
+        assert refused.value.errno == errno.ENOSPC and refused.value.filename == str(full)
+        assert "a sample spilled there" in str(refused.value)
+        spilling.close()
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
 
 
 def test_where_a_file_with_no_name_cannot_be_made_a_spill_file_is_named_beside_its_shard(tmp_path, monkeypatch):
