@@ -365,6 +365,9 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         # the most any capture storing these bytes a token could reach against plain prefill with this disk (a
         # run of hours, the drain spread out): past it, the disk is the bound and not the capture
         c["disk_bound_ratio"] = disk * 1e9 / (plain_tok_s * c["bytes_per_token_stored_median"])
+        # the same at the bytes the disk itself took while the capture ran (shards, and spill files written back)
+        c["disk_taken_bound_ratio"] = (disk * bench.tokens / (plain_tok_s * c["disk_gb_median"])
+                                       if c["disk_gb_median"] else None)
     # what a CUDA capture may hold above the loaded engine (its pinned pool reserved by then): with a codec, the
     # stored tensors kept until their shard's end, up to extract.host_buffer_gb, and the oldest shard's beyond it
     # (`dataset.kept_bytes`), the largest planned: a sample longer than shard_max_tokens is a shard of its own;
@@ -437,10 +440,11 @@ def format_result(result: dict) -> str:
         if c["spilled_gb_median"]:
             lines.append(f"  {c['spilled_gb_median']:.2f} GB of states went through spill files (samples too long "
                          f"for extract.host_buffer_gb {result['host_buffer_gb']:g}): written and read once more")
-        if c["disk_gb_median"] is not None:
+        if c["disk_taken_bound_ratio"] is not None:
             shards = c["bytes_per_token_stored_median"] * result["tokens_per_round"] / 1e9
             lines.append(f"  the disk took {c['disk_gb_median']:.2f} GB while it ran, the shards {shards:.2f} GB of "
-                         f"them (the rest: spill files the kernel wrote back before they were removed, other files)")
+                         f"them (the rest: spill files the kernel wrote back before they were removed, other files); "
+                         f"at all it took, the disk alone allows at most {c['disk_taken_bound_ratio']:.3f} x")
     lines += [
         f"disk alone {result['disk_write_gb_s']:.2f} GB/s ({result['write_threads']} files at once, as many as the "
         f"writer threads)",

@@ -73,6 +73,9 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
     for c in (c for r in result["rounds"] for c in r["captures"].values()):
         assert c["disk_gb"] * 1e9 >= c["bytes_written"] if counted else c["disk_gb"] is None
     assert printed.count("the disk took") == (2 if counted else 0)  # a line per codec
+    for c in result["captures"].values():  # and the disk's bound at all it took, no higher than at the shards'
+        assert (c["disk_taken_bound_ratio"] <= c["disk_bound_ratio"] * 1.001 if counted
+                else c["disk_taken_bound_ratio"] is None)
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert result["peak_tree_rss_gb"] >= result["loaded_tree_rss_gb"] > 0 and result["host_buffer_gb"] == 8
     # a codec's kept tensors: the setting, and the oldest shard at the largest bytes a token stored: the largest
