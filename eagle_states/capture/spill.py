@@ -6,9 +6,10 @@ streams each layer back in pieces of READ_BYTES when the sample's turn comes (`s
 Uncompressed (`SpillFile`), every captured layer has a region of its own. With a step codec (`EncodedSpillFile`), each
 piece's encoded body is appended as it comes (its size is known only then) and what its tensor's frame needs ahead of
 the bodies is kept in memory (`step_codecs.PieceHead`: fp8's per-row numbers, 12 bytes a row and layer); the shard's
-digest, taken at its end, reads the bodies once more. The cost is one more write and read (two with a codec) of the
-sample's stored states: the page cache often serves the reads, and past the kernel's dirty-page limits the writes go
-to the disk too. Reads nothing of vLLM."""
+digest, taken at its end, reads the bodies once more. A CPU codec's (Blosc2) are spilled uncompressed and compressed
+as they are read back. The cost is one more write and read (two reads with a step codec) of the sample's stored
+states: the page cache often serves the reads, and past the kernel's dirty-page limits the writes go to the disk too.
+Reads nothing of vLLM."""
 
 from __future__ import annotations
 
