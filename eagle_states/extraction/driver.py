@@ -260,10 +260,13 @@ class CaptureConfig:
         if not self.told_spilled:
             self.told_spilled = True
             total = sum(len(shard.samples) for shard in shards)
+            in_ram = tmpfs_huge_pages(Path(e.spill_dir) if e.spill_dir else self.out)
             log.warning("samples too long for the capture's host buffer go through spill files %s (their states "
                         "written and read once more, twice with a GPU codec): %d of %d. The longest: %s; raise it "
-                        "to keep them in memory", f"in {e.spill_dir}" if e.spill_dir else "beside their shards",
-                        len(spilled), total, what)
+                        "to keep them in memory%s", f"in {e.spill_dir}" if e.spill_dir else "beside their shards",
+                        len(spilled), total, what,
+                        f". The spill files are in RAM (tmpfs {in_ram[0]}), where spilling saves no memory: set "
+                        "extract.spill_dir to a directory on a disk" if in_ram else "")
 
     def tell_tmpfs_pages(self) -> None:
         """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for

@@ -7,13 +7,15 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from eagle_states.capture.engine import CaptureEngine
 from eagle_states.cli import main
 from eagle_states.coordination.retry import is_permanent
-from eagle_states.dataset.files import growing_file_huge
+from eagle_states.dataset.files import growing_file_huge, in_memory_filesystem
 from eagle_states.extraction.driver import Extraction
 from helpers import extraction_params, model_too_big_for_the_disk, write_prompt_jsonl
 
@@ -126,6 +128,28 @@ def test_a_sample_too_long_for_the_host_buffer_is_spilled_with_any_codec_where_t
                  "--out", "ds", "--dtype", "float32")
     assert line.endswith("extract.spill_dir a-file/spill: Not a directory")
     assert not (workdir / "ds").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not in_memory_filesystem("/dev/shm"), reason="no tmpfs here")
+def test_spill_files_in_ram_are_told_to_go_to_a_disk(workdir, caplog, llama_model):
+    """Shards into RAM: spill files beside them would be in RAM too, where spilling saves no memory; the run says
+    how to keep them out of it, and says nothing of the kind once extract.spill_dir is on a disk."""
+    rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 129, [5] * 90])
+    in_ram = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        for spill_dir in (None, in_ram / "spill", workdir / "spill"):
+            extraction = Extraction(extraction_params(llama_model, rows, in_ram / "ds", dtype="float32",
+                                                      host_buffer_gb=0.0001, max_num_batched_tokens=64,
+                                                      spill_dir=spill_dir and str(spill_dir)))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                extraction.check_host_buffer(extraction.unfinished())
+            told = caplog.records[0].getMessage()
+            on_disk = spill_dir == workdir / "spill" and not in_memory_filesystem(workdir)
+            assert ("The spill files are in RAM (tmpfs /dev/shm), where spilling saves no memory: set "
+                    "extract.spill_dir to a directory on a disk" in told) != on_disk, told
+    finally:
+        shutil.rmtree(in_ram)
 
 
 class Told(logging.Handler):
