@@ -89,12 +89,19 @@ def test_pieces_compressed_as_they_come_make_the_frame_of_the_whole_tensor(monke
 
 
 def test_the_same_tensors_give_the_same_bytes_whatever_the_thread_count(tmp_path):
+    """A sample's states encoded on several threads at once give the bytes of one at a time. Blosc2's own threads
+    (`codec_threads`) do too while a chunk is one of its blocks, as here; past that its bytes vary from run to run
+    (README), while the states they decode to do not."""
     tensors = sample_tensors(torch.bfloat16)
     one = write_shard_file(tmp_path / "a.safetensors", tensors, Codec("blosc2-zstd", threads=1))
     four = write_shard_file(tmp_path / "b.safetensors", tensors, Codec("blosc2-zstd", threads=4))
     # the states encoded on three threads at once, as the capture's writer encodes a sample's
     at_once = write_shard_file(tmp_path / "c.safetensors", tensors, Codec("blosc2-zstd"), encode_threads=3)
     assert one == four == at_once
+    large = torch.randn(4096, 2048).to(torch.bfloat16)  # 16 MiB: two chunks of many blocks each
+    write_shard_file(tmp_path / "d.safetensors", {"s/hidden_states/0": large}, Codec("blosc2-zstd", threads=4))
+    with ShardReader(tmp_path / "d.safetensors", threads=4) as shard:
+        assert torch.equal(shard.get_tensor("s/hidden_states/0").view(torch.uint8), large.view(torch.uint8))
 
 
 def test_every_flipped_byte_in_a_compressed_tensor_is_caught_when_read(tmp_path):
