@@ -283,7 +283,8 @@ class _Bench:
                # states of samples too long for the host buffer, through spill files (`capture.spill`)
                "spilled_gb": (after.spilled_bytes - before.spilled_bytes) / 1e9,
                # the writer threads' time (summed over them): in shards, waiting for samples, hashing, waiting for
-               # the file's writes; the rest of it is framing or encoding, opening and committing
+               # the file's writes, reading spill files back, committing; the rest of it is framing or encoding and
+               # opening
                **{f"writers_{key}": getattr(after, f"writer_{key}") - getattr(before, f"writer_{key}")
                   for key in WRITER_TIMES},
                "shards": len(manifest["shards"]),
@@ -413,7 +414,7 @@ def format_result(result: dict) -> str:
                   f", the codec {c['encode_gb_s_device_median']:.1f} GB/s on the device"
                   if c.get("encode_gb_s_device_median") else "")
         writer = {key: c[f"writers_{key}_median"] / c["shards"] for key in WRITER_TIMES}  # a writer, a shard
-        rest = writer["shard_s"] - writer["take_wait_s"] - writer["hash_s"] - writer["write_wait_s"]
+        rest = writer["shard_s"] - sum(writer[key] for key in WRITER_TIMES if key != "shard_s")
         lines += [
             f"capture to disk, codec {codec}: {c['capture_tok_s_median']:>12,.0f} tokens/s (median)",
             f"  ratio capture/plain {c['ratio_median']:.3f} (up to the last forward pass, without the writes "
@@ -430,8 +431,9 @@ def format_result(result: dict) -> str:
             f"{c['capture_between_forwards_s_median']:.2f} s",
             f"  a writer thread's time in a shard (the mean of {c['shards']}): {writer['shard_s']:.3f} s, of it "
             f"waiting for samples {writer['take_wait_s']:.3f} s, hashing {writer['hash_s']:.3f} s, waiting for the "
-            f"file's writes {writer['write_wait_s']:.3f} s, the rest (framing or encoding, opening, committing) "
-            f"{rest:.3f} s",
+            f"file's writes {writer['write_wait_s']:.3f} s, reading spill files back {writer['spill_read_s']:.3f} s, "
+            f"committing (the header, fsync, rename) {writer['commit_s']:.3f} s, the rest (framing or encoding, "
+            f"opening) {rest:.3f} s",
             f"  written {c['write_gb_s_median']:.2f} GB/s, {c['bytes_per_token_stored_median']:,.0f} bytes/token on "
             f"disk of {result['bytes_per_token']:,} captured (x{c['compression_ratio']:.3f}){encode}",
             f"  the disk alone ({result['disk_write_gb_s']:.2f} GB/s) allows at most {c['disk_bound_ratio']:.3f} x "
@@ -439,7 +441,8 @@ def format_result(result: dict) -> str:
         ]
         if c["spilled_gb_median"]:
             lines.append(f"  {c['spilled_gb_median']:.2f} GB of states went through spill files (samples too long "
-                         f"for extract.host_buffer_gb {result['host_buffer_gb']:g}): written and read once more")
+                         f"for extract.host_buffer_gb {result['host_buffer_gb']:g}): written, and read back "
+                         + ("twice (the digest reads them again)" if Codec(codec).on_device else "once"))
         if c["disk_taken_bound_ratio"] is not None:
             shards = c["bytes_per_token_stored_median"] * result["tokens_per_round"] / 1e9
             lines.append(f"  the disk took {c['disk_gb_median']:.2f} GB while it ran, the shards {shards:.2f} GB of "

@@ -133,12 +133,14 @@ class StatsReply(Message):
     device_encoded_bytes: int = 0  # hidden-state bytes a step codec encoded on the device (extract.codec)
     device_encode_s: float = 0.0  # the device's time in encoding them (CUDA events; host time on the CPU build)
     spilled_bytes: int = 0  # states of samples too long for the host buffer, written to spill files (`spill`)
-    # the shard writer threads' time, summed over them: in shards, and of it waiting for samples, hashing, and
-    # waiting for the file's writes (`shard_writer.ShardWriter`)
+    # the shard writer threads' time, summed over them: in shards, and of it waiting for samples, hashing, waiting
+    # for the file's writes, reading spill files back, and committing (`shard_writer.ShardWriter`)
     writer_shard_s: float = 0.0
     writer_take_wait_s: float = 0.0
     writer_hash_s: float = 0.0
     writer_write_wait_s: float = 0.0
+    writer_spill_read_s: float = 0.0
+    writer_commit_s: float = 0.0
 
 
 class Discarded(Message):

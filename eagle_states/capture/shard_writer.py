@@ -3,11 +3,12 @@ sample in the file's order as the assembler completes them. Reads nothing of vLL
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from eagle_states.capture.forward import PinnedPool
 
 # ShardWriter's counters of where the writer threads' time goes (the stats reply's `writer_*` fields)
-WRITER_TIMES = ("shard_s", "take_wait_s", "hash_s", "write_wait_s")
+WRITER_TIMES = ("shard_s", "take_wait_s", "hash_s", "write_wait_s", "spill_read_s", "commit_s")
 
 
 class ShardWriter:
@@ -38,8 +39,9 @@ class ShardWriter:
         self.lock = threading.Lock()
         self.encoded_bytes, self.encode_s = 0, 0.0  # summed over the writer threads
         # where the writer threads' time goes, summed over them and over written shards: in shards (from asking
-        # for the first sample to the file committed), waiting for samples, hashing, waiting for the file's writes
-        self.shard_s = self.take_wait_s = self.hash_s = self.write_wait_s = 0.0
+        # for the first sample to the file committed), waiting for samples, hashing, waiting for the file's writes,
+        # reading spill files back, and at the shard's end the rest of it (the header, fsync, rename)
+        self.shard_s = self.take_wait_s = self.hash_s = self.write_wait_s = self.spill_read_s = self.commit_s = 0.0
         self.last_written = 0.0  # time.monotonic() when the last shard file was committed
         self.last_taken = 0.0  # time.monotonic() when a writer last got a complete sample
 
@@ -56,6 +58,7 @@ class ShardWriter:
             order = shard_sample_order(plan.sample_ids)
             first, waited = self._take(take, order[0])
             spilled = []  # with a step codec: spilled samples written, whose files the digest reads again at the end
+            spill_read = [0.0]  # seconds reading this shard's spill files back (`_timed`)
             try:
                 width, dtype = first.state_width_and_dtype()  # the stream's, from the first captured rows
                 specs = {}
@@ -69,15 +72,24 @@ class ShardWriter:
                         sample, seconds = (first, 0.0) if sid == order[0] else self._take(take, sid)
                         waited += seconds
                         try:
-                            self._write_sample(out, sid, sample, plan.loss_masks[sid])
+                            self._write_sample(out, sid, sample, plan.loss_masks[sid], spill_read)
                         finally:
                             if sample.spill is not None and plan.codec.on_device:
                                 spilled.append(sample)  # its spill file is read again for the digest at the end
                             else:
                                 sample.forget(self.pinned)
+                    ending = time.monotonic(), out.hash_s, out.write_wait_s, spill_read[0]
+                # the shard's end past its digest and its last writes (and a step codec's spill files read again
+                # for the digest): its header written, the file fsynced and renamed
+                commit = (time.monotonic() - ending[0] - (out.hash_s - ending[1]) - (out.write_wait_s - ending[2])
+                          - (spill_read[0] - ending[3]))
                 with self.lock:
                     self.encoded_bytes += out.encoded_bytes
-                    self.encode_s += out.encode_s
+                    # a CPU codec compresses a spilled state as it is read back: its time holds the reads
+                    holds_reads = plan.codec.enabled and not plan.codec.on_device
+                    self.encode_s += out.encode_s - (spill_read[0] if holds_reads else 0.0)
+                    self.spill_read_s += spill_read[0]
+                    self.commit_s += commit
                     self.last_written = time.monotonic()
                     self.shard_s += self.last_written - started
                     self.take_wait_s += waited
@@ -103,7 +115,8 @@ class ShardWriter:
         self.last_taken = time.monotonic()  # a float store: no lock needed between the writer threads
         return sample, self.last_taken - started
 
-    def _write_sample(self, out: ShardFileWriter, sample_id: str, sample: CapturedSample, mask: list[int]):
+    def _write_sample(self, out: ShardFileWriter, sample_id: str, sample: CapturedSample, mask: list[int],
+                      spill_read: list[float]):
         if len(mask) != len(sample.ids):
             raise CaptureError(f"sample {sample_id}: loss mask of {len(mask)} for {len(sample.ids)} tokens")
         tensors = {key_input_ids(sample_id): [sample.ids.to(torch.int32)],
@@ -116,6 +129,24 @@ class ShardWriter:
         spilled = {key_hidden_state(sample_id, slot): slot for slot in range(self.num_states)}
         for name in sorted([*tensors, *spilled]):  # the file's order, each state read back as it is written
             if name in spilled:
-                out.write_streamed(name, sample.spill.stream(spilled[name]))
+                stream = sample.spill.stream(spilled[name])
+                out.write_streamed(name, dataclasses.replace(stream, pieces=_timed(stream.pieces, spill_read)))
             else:
                 out.write_many({name: tensors[name]})
+
+
+def _timed(make: Callable[[], Iterable], spent: list[float]) -> Callable[[], Iterator]:
+    """`make`'s pieces, each one's making timed into spent[0] (a spill file read back), however often it is called
+    (a step codec's state is streamed again for the digest)."""
+    def pieces() -> Iterator:
+        made = iter(make())
+        while True:
+            started = time.perf_counter()
+            try:
+                piece = next(made)
+            except StopIteration:
+                return
+            finally:
+                spent[0] += time.perf_counter() - started
+            yield piece
+    return pieces

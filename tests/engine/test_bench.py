@@ -54,8 +54,9 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
             assert r["plain_forwards"] == 5 and c["capture_forwards"] == 6
             # the writer threads' time in the 3 shards, and the parts of it that are counted: each within it
             assert c["shards"] == 3 and c["writers_shard_s"] > 0 and c["writers_hash_s"] > 0
-            assert min(c["writers_take_wait_s"], c["writers_write_wait_s"]) >= 0
-            assert (c["writers_take_wait_s"] + c["writers_hash_s"] + c["writers_write_wait_s"]
+            assert min(c["writers_take_wait_s"], c["writers_write_wait_s"]) >= 0 and c["writers_commit_s"] > 0
+            assert c["writers_spill_read_s"] == 0  # no sample spilled (`test_spill.py` times one that is)
+            assert (c["writers_take_wait_s"] + c["writers_hash_s"] + c["writers_write_wait_s"] + c["writers_commit_s"]
                     <= c["writers_shard_s"] + 1e-6)
             assert 0 < c["capture_forward_s"] and 0 <= c["capture_between_forwards_s"]
             assert c["capture_forward_s"] + c["capture_between_forwards_s"] < c["capture_s"]

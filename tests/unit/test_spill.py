@@ -74,6 +74,9 @@ def write(tmp_path, name: str, samples: dict[str, torch.Tensor], spilled: set[st
                      {s: [1] * t.shape[1] for s, t in samples.items()}, Codec(codec))
     writer.submit(path, plan, take).result(timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir() if name in p.name) == [name], "the spill files are gone"
+    assert (writer.spill_read_s > 0) == bool(spilled) and writer.commit_s > 0  # the writer's time, taken apart
+    assert writer.spill_read_s + writer.commit_s + writer.hash_s + writer.write_wait_s <= writer.shard_s
+    assert writer.encode_s >= 0  # a CPU codec's, less the spill reads inside it
     return (tmp_path / name).read_bytes()
 
 
