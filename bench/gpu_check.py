@@ -19,8 +19,8 @@ A deliberately shifted capture (rows one token off) is run through the same crit
 With `--codec C` the Llama check extracts with that codec and also without one, on the same engine, and the
 codec's dataset must pass validation on this machine and read back through `Dataset` bit for bit as the plain one
 (lossless codecs), or within the codec's error bound of it with the error its validation recorded (fp8-e4m3); and
-made again by an engine with a host buffer of 0.0001 GiB (the longer samples spilled as the codec encoded them) it
-must read back bit for bit as it did.
+made again by an engine with a host buffer of 0.0001 GiB (the longer samples spilled: as a step codec encoded them,
+or uncompressed for Blosc2, which compresses them as they are read back) it must read back bit for bit as it did.
 
     python3 bench/gpu_check.py WORKDIR [--only llama|deepseek] [--device cpu] [--codec nvcomp-ans]
 Prints one summary per model (per layer for DeepSeek) and exits 1 if either fails. `--device cpu` runs it on
@@ -96,7 +96,8 @@ def _spilled_extraction(params_json: str, result) -> None:
 
 def spill_check(work: Path, params) -> tuple[bool, str]:
     """The codec's dataset made again by an engine with a host buffer so small (the pinned pool's least, 4 steps)
-    that the samples past 2 steps are spilled as the codec encoded them: it must read back bit for bit. The engine
+    that the samples past 2 steps are spilled (as a step codec encoded them; Blosc2's uncompressed, compressed as
+    they are read back): it must read back bit for bit. The engine
     runs in a process of its own: on the H200, vLLM refused to start a second one in this process (free memory
     grew while it profiled, 20 MB, whatever was given back first)."""
     spilled = params.override({"output.dir": str(work / "dataset-spilled"), "extract.host_buffer_gb": 0.0001})
