@@ -97,9 +97,9 @@ def _spilled_extraction(params_json: str, result) -> None:
 def spill_check(work: Path, params) -> tuple[bool, str]:
     """The codec's dataset made again by an engine with a host buffer so small (the pinned pool's least, 4 steps)
     that the samples past 2 steps are spilled (as a step codec encoded them; Blosc2's uncompressed, compressed as
-    they are read back): it must read back bit for bit. The engine
-    runs in a process of its own: on the H200, vLLM refused to start a second one in this process (free memory
-    grew while it profiled, 20 MB, whatever was given back first)."""
+    they are read back): it must read back bit for bit. The engine runs in a process of its own: on the H200, vLLM
+    refused to start a second one in this process (free memory grew while it profiled, 20 MB, whatever was given
+    back first)."""
     spilled = params.override({"output.dir": str(work / "dataset-spilled"), "extract.host_buffer_gb": 0.0001})
     context = multiprocessing.get_context("spawn")
     result = context.Queue()
