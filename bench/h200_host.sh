@@ -57,7 +57,8 @@ nvcomp.__version__, 'CudaStream:', [a for a in dir(nvcomp.CudaStream) if not a.s
     bench dsv3-shm --model /dev/shm/dsv3 --out /dev/shm/bench $DSV3 --shard-max-tokens 16384 --rounds ${ROUNDS:-2} \
         --codecs ${2:-none} ;;
   rss)  # the same tokens per round (393,216) in samples of 4K, 16K and 64K tokens (${2:-all three}, PROMPTS:LENGTH[:GiB
-        # of host buffer, 8 by default]; 6:65536:2 spills the samples: 3.76 GB each), CODECS=... (none); the demo
+        # of host buffer, 8 by default]; 6:65536:2 spills the samples: 3.76 GB each), CODECS=... (none), SPILL_DIR=...
+        # (beside the shards; /dev/shm/spill takes the spilled bytes off the disk); the demo
         # model says 8,192 positions: a copy saying 131,072 (random weights: RoPE runs at any position)
     make_dsv3
     if [ ! -d /dev/shm/dsv3-long ]; then
@@ -68,7 +69,8 @@ json.dump(c, open('/dev/shm/dsv3-long/config.json', 'w'))"
     for spec in ${2:-96:4096 24:16384 6:65536}; do
       IFS=: read -r prompts length gib <<< "$spec"
       bench "rss-$length${gib:+-$gib}" --model /dev/shm/dsv3-long --out /tmp/bench $COMMON --disk-probe-gb 1 \
-          --prompts "$prompts" --prompt-len "$length" --host-buffer-gb "${gib:-8}" --rounds 1 --codecs ${CODECS:-none}
+          --prompts "$prompts" --prompt-len "$length" --host-buffer-gb "${gib:-8}" --rounds 1 --codecs ${CODECS:-none} \
+          ${SPILL_DIR:+--spill-dir "$SPILL_DIR"}
     done ;;
   waits)  # into RAM uncompressed, one round (ROUNDS=), with where the writers' threads sleep (bench/thread_waits.py): the
           # shard's write calls run at 1.45 GB/s with their threads mostly off the CPU (RESULTS, 2026-12-04, thirteenth)

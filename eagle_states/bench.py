@@ -393,7 +393,7 @@ def run_benchmark(params: PipelineParams, out_dir: Path, *, num_prompts: int, pr
         "output_tmpfs": dict(zip(("mount", "huge"), tmpfs)) if tmpfs else None,
         "peak_host_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "loaded_tree_rss_gb": bench.loaded_rss / 1e9, "peak_tree_rss_gb": bench.rss.peak / 1e9,
-        "host_buffer_gb": e.host_buffer_gb, "kept_bound_gb": kept_bound_gb,
+        "host_buffer_gb": e.host_buffer_gb, "spill_dir": e.spill_dir, "kept_bound_gb": kept_bound_gb,
         "peak_gpu_reserved_gb": (_peak_gpu_bytes() or 0) / 1e9 or None,
     }
 
@@ -440,8 +440,9 @@ def format_result(result: dict) -> str:
             f"plain prefill at these bytes/token",
         ]
         if c["spilled_gb_median"]:
-            lines.append(f"  {c['spilled_gb_median']:.2f} GB of states went through spill files (samples too long "
-                         f"for extract.host_buffer_gb {result['host_buffer_gb']:g}): written, and read back "
+            lines.append(f"  {c['spilled_gb_median']:.2f} GB of states went through spill files "
+                         f"{'in ' + result['spill_dir'] if result['spill_dir'] else 'beside the shards'} (samples too "
+                         f"long for extract.host_buffer_gb {result['host_buffer_gb']:g}): written, and read back "
                          + ("twice (the digest reads them again)" if Codec(codec).on_device else "once"))
         if c["disk_taken_bound_ratio"] is not None:
             shards = c["bytes_per_token_stored_median"] * result["tokens_per_round"] / 1e9

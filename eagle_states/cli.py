@@ -259,6 +259,7 @@ def cmd_bench(args) -> int:
         "extract.max_num_batched_tokens": args.max_num_batched_tokens, "extract.max_num_seqs": args.max_num_seqs,
         "extract.gpu_memory_utilization": args.gpu_memory_utilization, "extract.write_threads": args.write_threads,
         "extract.host_buffer_gb": args.host_buffer_gb,
+        **({"extract.spill_dir": args.spill_dir} if args.spill_dir else {}),
         "extract.codec_level": args.codec_level, "extract.codec_threads": args.codec_threads,
         "extract.max_model_len": args.prompt_len + 16, "prepare.max_length": args.prompt_len})
     result = run_benchmark(params, Path(args.bench_out), num_prompts=args.prompts, prompt_len=args.prompt_len,
@@ -470,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free each shard's disk blocks once it is fsynced and recorded (the file keeps its size), "
                         "for rounds that write more than the disk holds; it slows the disk (the capture wrote "
                         "1.18 GB/s with it against 1.30 without on one H200 disk: bench/RESULTS.md)")
+    p.add_argument("--spill-dir", help="where samples too long for --host-buffer-gb are spilled (default: "
+                                       "extract.spill_dir, else beside the shards)")
     p.add_argument("--json", help="also write the figures as JSON here")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -17,7 +17,8 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
            "--prompts", "6", "--prompt-len", "40", "--rounds", "2", "--dtype", "float32",
            "--gpu-memory-utilization", "0.2", "--max-num-batched-tokens", "50", "--max-num-seqs", "8",
            "--shard-max-tokens", "100", "--codecs", "none,blosc2-zstd",
-           "--disk-probe-gb", "0.01", "--free-written", "--json", str(tmp_path / "bench.json")]
+           "--disk-probe-gb", "0.01", "--free-written", "--spill-dir", str(tmp_path / "spill"),
+           "--json", str(tmp_path / "bench.json")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = done.stdout
@@ -79,6 +80,7 @@ def test_bench_command_on_the_demo_model(llama_model, tmp_path):
                 else c["disk_taken_bound_ratio"] is None)
     assert result["disk_write_gb_s"] > 0 and result["peak_host_rss_gb"] > 0
     assert result["peak_tree_rss_gb"] >= result["loaded_tree_rss_gb"] > 0 and result["host_buffer_gb"] == 8
+    assert result["spill_dir"] == str(tmp_path / "spill")  # samples of 40 tokens fit: nothing spilled there
     # a codec's kept tensors: the setting, and the oldest shard at the largest bytes a token stored: the largest
     # planned, 2 samples of 40 tokens (not shard_max_tokens, 100: a longer sample would be a shard of its own)
     assert result["largest_shard_tokens"] == 80
