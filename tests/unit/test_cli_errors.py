@@ -89,6 +89,19 @@ def test_a_dataset_that_does_not_fit_is_refused_before_the_model_loads(workdir, 
     assert not (workdir / "ds").exists()
 
 
+def told_of_spilling(caplog, llama_model, rows, out, spill_dir, checks: int = 1) -> list[str]:
+    """What an extraction of `rows` into `out` with a 0.0001 GiB host buffer (steps of 64 tokens) and `spill_dir`
+    says of spilling, its host buffer checked `checks` times (as a run checks it before the engine starts and in
+    the run); read before a command line runs, which hands the root logger to Prefect's handlers."""
+    extraction = Extraction(extraction_params(llama_model, rows, out, dtype="float32", host_buffer_gb=0.0001,
+                                              max_num_batched_tokens=64, spill_dir=spill_dir and str(spill_dir)))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(checks):
+            extraction.check_host_buffer(extraction.unfinished())
+    return [r.getMessage() for r in caplog.records if "spill files" in r.getMessage()]
+
+
 def test_a_sample_too_long_for_the_host_buffer_is_spilled_with_any_codec_where_the_settings_say(
         workdir, capsys, caplog, llama_model):
     """The capture's host memory is extract.host_buffer_gb whatever the samples' length: a sample whose steps
@@ -96,17 +109,8 @@ def test_a_sample_too_long_for_the_host_buffer_is_spilled_with_any_codec_where_t
     extract.spill_dir, uncompressed or with any codec; the run says so once, and a spill directory where no file can
     be made is named before the model loads."""
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 129, [5] * 90])
-    # what a run says, once (the check runs before the engine starts and again in the run); read before the command
-    # line runs, which hands the root logger to Prefect's handlers
     for spill_dir in (None, workdir / "spill"):
-        extraction = Extraction(extraction_params(llama_model, rows, workdir / "ds", dtype="float32",
-                                                  host_buffer_gb=0.0001, max_num_batched_tokens=64,
-                                                  spill_dir=spill_dir and str(spill_dir)))
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            extraction.check_host_buffer(extraction.unfinished())
-            extraction.check_host_buffer(extraction.unfinished())
-        told = [r.getMessage() for r in caplog.records if "spill files" in r.getMessage()]
+        told = told_of_spilling(caplog, llama_model, rows, workdir / "ds", spill_dir, checks=2)
         where = f"in {spill_dir}" if spill_dir else "beside their shards"
         assert len(told) == 1 and f"host buffer go through spill files {where} (their states written and read " \
             "once more, twice with a GPU codec): 1 of 3. The longest: sample p001 (input row 2): 129 tokens x 4 " \
@@ -138,13 +142,7 @@ def test_spill_files_in_ram_are_told_to_go_to_a_disk(workdir, caplog, llama_mode
     in_ram = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         for spill_dir in (None, in_ram / "spill", workdir / "spill"):
-            extraction = Extraction(extraction_params(llama_model, rows, in_ram / "ds", dtype="float32",
-                                                      host_buffer_gb=0.0001, max_num_batched_tokens=64,
-                                                      spill_dir=spill_dir and str(spill_dir)))
-            caplog.clear()
-            with caplog.at_level(logging.WARNING):
-                extraction.check_host_buffer(extraction.unfinished())
-            told = caplog.records[0].getMessage()
+            (told,) = told_of_spilling(caplog, llama_model, rows, in_ram / "ds", spill_dir)
             on_disk = spill_dir == workdir / "spill" and not in_memory_filesystem(workdir)
             assert ("The spill files are in RAM (tmpfs /dev/shm), where spilling saves no memory: set "
                     "extract.spill_dir to a directory on a disk" in told) != on_disk, told
