@@ -132,6 +132,9 @@ def test_a_sample_too_long_for_the_host_buffer_is_spilled_with_any_codec_where_t
                  "--out", "ds", "--dtype", "float32")
     assert line.endswith("extract.spill_dir a-file/spill: Not a directory")
     assert not (workdir / "ds").exists()
+    with pytest.raises(ValueError) as refused:  # and a flow run does not retry it
+        told_of_spilling(caplog, llama_model, rows, workdir / "ds", workdir / "a-file" / "spill")
+    assert is_permanent(refused.value)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm") or not in_memory_filesystem("/dev/shm"), reason="no tmpfs here")
