@@ -17,12 +17,12 @@ from eagle_states.dataset.codec import NAMES as CODEC_NAMES, STEP_CODECS
 
 DEFAULT_PARAMS_FILE = Path("params.yaml")
 
-# What decides a shard's bytes besides its samples, the model and the capture code. The batching settings are
-# here because a step's composition changes the float results (to the bit); `max_model_len` (which rows are
-# accepted), `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
-# `host_buffer_gb`, `spill_dir`,
-# `data_parallel_size`, `gpu_ids` and `codec_threads` change where and how fast, not what. The codec and its
-# level decide the stored bytes (not the states they decode to). States captured while generating
+# What decides a shard's bytes besides its samples, the model and the capture code. The batching settings are here
+# because a step's composition changes the float results (to the bit); `max_model_len` (which rows are accepted),
+# `gpu_memory_utilization` (the KV cache's size, which depends on the machine anyway), `write_threads`,
+# `host_buffer_gb`, `spill_dir`, `data_parallel_size`, `gpu_ids` and `codec_threads` change where and how fast, not
+# what (with more than one Blosc2 thread its frames vary from run to run; the states they decode to do not). The codec
+# and its level decide the stored bytes (not the states they decode to). States captured while generating
 # (`regenerate.capture`) come from other batches than a prefill's, so they differ in the last bits.
 SHARD_BYTES_SETTINGS = ("extract.layer_ids", "extract.dtype", "extract.shard_max_tokens",
                         "extract.max_num_batched_tokens", "extract.max_num_seqs", "extract.tensor_parallel_size",
