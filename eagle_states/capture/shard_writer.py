@@ -78,18 +78,13 @@ class ShardWriter:
                                 spilled.append(sample)  # its spill file is read again for the digest at the end
                             else:
                                 sample.forget(self.pinned)
-                    ending = time.monotonic(), out.hash_s, out.write_wait_s, spill_read[0]
-                # the shard's end past its digest and its last writes (and a step codec's spill files read again
-                # for the digest): its header written, the file fsynced and renamed
-                commit = (time.monotonic() - ending[0] - (out.hash_s - ending[1]) - (out.write_wait_s - ending[2])
-                          - (spill_read[0] - ending[3]))
                 with self.lock:
                     self.encoded_bytes += out.encoded_bytes
                     # a CPU codec compresses a spilled state as it is read back: its time holds the reads
                     holds_reads = plan.codec.enabled and not plan.codec.on_device
                     self.encode_s += out.encode_s - (spill_read[0] if holds_reads else 0.0)
                     self.spill_read_s += spill_read[0]
-                    self.commit_s += commit
+                    self.commit_s += out.commit_s
                     self.last_written = time.monotonic()
                     self.shard_s += self.last_written - started
                     self.take_wait_s += waited

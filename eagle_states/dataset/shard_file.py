@@ -156,8 +156,7 @@ class ShardFileWriter:
     tensors may not exist yet, so that a shard is written as its samples are captured. Each tensor's pieces are
     streamed from memory (concatenated along dim 0 in the file, never in memory) by a helper thread, past the
     page cache (`DirectFile`, where the filesystem allows). Atomic: temp file, fsync, rename; an exception or an
-    incomplete shard leaves nothing under `path`. After the `with` block: `digest` (`files.SHARD_DIGEST`) and
-    `size`.
+    incomplete shard leaves nothing under `path`. After the `with` block: `digest` (`files.SHARD_DIGEST`), `size`.
 
     Uncompressed, the header is made from the tensors' dtypes and shapes alone and written first, and the file is
     hashed as it is written (hashing and writing both release the GIL, so a shard takes as long as the slower of
@@ -182,9 +181,9 @@ class ShardFileWriter:
         self._kept: dict[str, list | StreamedTensor] = {}
         self._encoded: dict[str, tuple[int, dict]] = {}  # a compressed tensor's stored size and header entry
         self.encoded_bytes, self.encode_s = 0, 0.0  # what the codec took in, and its time
-        # the caller's time hashing, and waiting for the helper thread's writes (the rest of a shard's time in the
-        # caller is waiting for encoders, opening and committing)
-        self.hash_s = self.write_wait_s = 0.0
+        # the caller's time hashing, waiting for the helper thread's writes, and committing (the header, fsync,
+        # rename; the rest of a shard's time in the caller is waiting for encoders and opening)
+        self.hash_s = self.write_wait_s = self.commit_s = 0.0
 
     def __enter__(self) -> "ShardFileWriter":
         self._stack = contextlib.ExitStack()
@@ -334,6 +333,7 @@ class ShardFileWriter:
                         self._hash_kept(name)
                 for write in self._writes:
                     self._wait_for_write(write)
+                committing = time.perf_counter()
                 if self.codec.enabled:
                     self._file.write_head(header)
                 self.digest = self._hasher.hexdigest()
@@ -348,6 +348,8 @@ class ShardFileWriter:
         self._stack.__exit__(exc_type, exc, tb)
         if failure is not None:
             raise failure
+        if exc_type is None:
+            self.commit_s = time.perf_counter() - committing
         return False
 
 
