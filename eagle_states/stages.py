@@ -26,6 +26,7 @@ from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.output_lock import output_lock
 from eagle_states.dataset.prepared import REPORT_FILE, finished_report, prepared_input_hash
 from eagle_states.extraction.driver import DatasetExists, Extraction, differences, kept_shards_line, run_extraction
+from eagle_states.extraction import room
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +257,8 @@ def open_extraction(params: PipelineParams) -> Extraction:
         raise MissingCapture(f"{params.output.dir}: {missing} of {len(extraction.shards)} shards are not on disk; "
                              "with regenerate.capture the states are captured while regenerating: run "
                              "`eagle-states regenerate` (it generates and captures them again)")
-    extraction.check_free_space()
-    extraction.check_host_buffer(extraction.unfinished())
+    room.check_free_space(extraction)
+    room.check_host_buffer(extraction, extraction.unfinished())
     return extraction
 
 

@@ -17,7 +17,7 @@ from eagle_states.validate import ValidationFailed
 DETERMINISTIC = (ValidationFailed, InputError, ExportRefused, UnsupportedModelError, ModelError, DatasetExists,
                  SpillDirUnusable, OutputBusy, Stopping, FileNotFoundError, IsADirectoryError, PermissionError,
                  KeyError)
-# errors of the file system that stay until someone acts (NoRoomError is an OSError with ENOSPC)
+# errors of the file system that stay until someone acts (room.NoRoomError is an OSError with ENOSPC)
 PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.EISDIR,
                     errno.ENOTDIR}
 

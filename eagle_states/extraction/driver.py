@@ -7,7 +7,6 @@ if there are any.
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import shutil
@@ -21,24 +20,21 @@ from typing import Callable
 from eagle_states.capture import CHECKED_VLLM_VERSIONS
 from eagle_states.capture.engine import CaptureEngine, EngineHolder, EngineSettings
 from eagle_states.capture.worker_calls import ShardJob, ShardResult
-from eagle_states.capture.handoff import blocks_held, fits_host_buffer, pinned_blocks
-from eagle_states.capture.spill import check_spill_dir
 from eagle_states.config import PipelineParams
 from eagle_states.dataset import layout
 from eagle_states.dataset.capture_format import (CAPTURE_CODE_HASHES_OF_FORMAT_1, CAPTURE_FORMAT_VERSION,
                                                  UNCOMPRESSED_SAME_SINCE)
 from eagle_states.dataset.codec import Codec
 from eagle_states.dataset.files import (SHARD_DIGEST, atomic_write_bytes, atomic_write_json, digest_matches,
-                                        fsync_path, hash_json, json_bytes, recorded_digest, tmpfs_huge_pages,
-                                        without_huge_pages)
+                                        fsync_path, hash_json, json_bytes, recorded_digest)
 from eagle_states.dataset.identity import model_identity, read_model_config
 from eagle_states.dataset.layout import LayerSelection
 from eagle_states.dataset.manifest import build_manifest
 from eagle_states.dataset.prepared import InputSample, input_hash, load_input
 from eagle_states.dataset.shard_file import DTYPE_OF_NAME, shard_data_bytes
+from eagle_states.extraction import room
 
 log = logging.getLogger(__name__)
-TOLD_TMPFS: set[str] = set()  # tmpfs mount points this process has said have no huge pages (`tell_tmpfs_pages`)
 
 
 def engine_versions() -> dict:
@@ -81,10 +77,6 @@ class PlannedShard:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.input_ids) for s in self.samples)
-
-
-class NoRoomError(OSError):
-    """The output's disk does not have room for the unfinished shards."""
 
 
 class DatasetExists(ValueError):
@@ -178,7 +170,7 @@ class CaptureConfig:
         self.dtype = resolved_dtype(text_config, params.extract.dtype)
         e = params.extract
         self.codec = Codec(e.codec, e.codec_level, e.codec_threads)
-        self.told_spilled = False  # the spill warning is said once (`check_host_buffer`)
+        self.told_spilled = False  # the spill warning is said once (`room.check_host_buffer`)
         self.out = Path(params.output.dir)
         self.byte_settings = {**params.shard_bytes_settings(), "extract.layer_ids": list(self.layers.layer_ids),
                               "extract.dtype": self.dtype, **(NO_CODEC_SETTINGS if not self.codec.enabled else {}),
@@ -235,48 +227,6 @@ class CaptureConfig:
                               gpu_memory_utilization=e.gpu_memory_utilization,
                               tensor_parallel_size=e.tensor_parallel_size, write_threads=e.write_threads,
                               host_buffer_bytes=int(e.host_buffer_gb * 2**30))
-
-    def check_host_buffer(self, shards: list[PlannedShard]) -> None:
-        """Samples whose steps cannot all fit the capture's host buffer (held there from their first step to their last:
-        `handoff.fits_host_buffer`) are spilled, their rows written to a file (in `extract.spill_dir`, or beside their
-        shard) as they are captured and read back when the shard's file reaches them: uncompressed, or as a step codec
-        encoded them (a CPU codec compresses them as they are read back). Host memory is the setting's, whatever the
-        samples' length; a spill directory that cannot hold them is refused here, before any model load."""
-        e = self.params.extract
-        row_bytes = len(self.layers) * self.model["hidden_size"] * DTYPE_OF_NAME[self.dtype].itemsize
-        budget, steps = int(e.host_buffer_gb * 2**30), e.max_num_batched_tokens
-        spilled = [s for shard in shards for s in shard.samples
-                   if not fits_host_buffer(len(s.input_ids), budget, row_bytes, steps)]
-        if not spilled:
-            return
-        longest = max(spilled, key=lambda s: len(s.input_ids))
-        needed = blocks_held(len(longest.input_ids), steps) * pinned_blocks(budget, row_bytes, steps)[0] / 2**30
-        what = (f"sample {longest.sample_id} (input row {longest.source_row}): {len(longest.input_ids):,} tokens x "
-                f"{len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype} are held in the "
-                f"capture's host buffer until its last step, in steps of {steps:,} tokens: it needs {needed:.3g} "
-                f"GiB, extract.host_buffer_gb is {e.host_buffer_gb:g}")
-        if e.spill_dir is not None:
-            check_spill_dir(e.spill_dir)
-        if not self.told_spilled:
-            self.told_spilled = True
-            total = sum(len(shard.samples) for shard in shards)
-            in_ram = tmpfs_huge_pages(Path(e.spill_dir) if e.spill_dir else self.out)
-            log.warning("samples too long for the capture's host buffer go through spill files %s (their states "
-                        "written and read once more, twice with a GPU codec): %d of %d. The longest: %s; raise it "
-                        "to keep them in memory%s", f"in {e.spill_dir}" if e.spill_dir else "beside their shards",
-                        len(spilled), total, what,
-                        f". The spill files are in RAM (tmpfs {in_ram[0]}), where spilling saves no memory: set "
-                        "extract.spill_dir to a directory on a disk" if in_ram else "")
-
-    def tell_tmpfs_pages(self) -> None:
-        """Shards into RAM: where the tmpfs has no huge pages, how to give it some (the capture's writes wait for
-        the kernel's 4 KiB pages there). Once a process for each mount: a bench runs an extraction per round, an
-        engine worker one per flow run."""
-        tmpfs = tmpfs_huge_pages(self.out)
-        if tmpfs and tmpfs[1] == "never" and tmpfs[0] not in TOLD_TMPFS:
-            TOLD_TMPFS.add(tmpfs[0])
-            log.info("shards go into tmpfs %s, mounted without huge pages: %s", tmpfs[0], without_huge_pages(tmpfs[0]))
-
 
 class Extraction(CaptureConfig):
     """One dataset directory being filled from one input; `run()` does the whole thing."""
@@ -338,7 +288,7 @@ class Extraction(CaptureConfig):
         self._intact[shard.name] = receipt
         return receipt
 
-    def _uncompressed_bytes(self, token_counts: list[int]) -> int:
+    def uncompressed_bytes(self, token_counts: list[int]) -> int:
         return shard_data_bytes(token_counts, len(self.layers), self.model["hidden_size"], DTYPE_OF_NAME[self.dtype])
 
     def measured_codec_ratio(self) -> tuple[float, int] | None:
@@ -349,32 +299,8 @@ class Extraction(CaptureConfig):
         receipts = list(self._intact.values())
         if not receipts:
             return None
-        raw = self._uncompressed_bytes([s["num_tokens"] for r in receipts for s in r["samples"]])
+        raw = self.uncompressed_bytes([s["num_tokens"] for r in receipts for s in r["samples"]])
         return sum(r["bytes"] for r in receipts) / raw, len(receipts)
-
-    def check_free_space(self) -> None:
-        """Refuse when the unfinished shards clearly do not fit on the output's disk: before any model load, and
-        with a codec again once the first shard has measured the codec's ratio (until then the uncompressed size
-        only warns, since the codec may well make it fit)."""
-        lengths = [len(s.input_ids) for shard in self.unfinished() for s in shard.samples]
-        needed = self._uncompressed_bytes(lengths)
-        how = f"{sum(lengths):,} tokens x {len(self.layers)} layers x hidden {self.model['hidden_size']} x {self.dtype}"
-        measured = self.measured_codec_ratio()
-        if measured is not None:
-            needed = int(needed * measured[0])
-            how += (f" x {measured[0]:.3f}, the ratio of {self.codec.name} measured on {measured[1]} finished "
-                    f"shard{'s' if measured[1] != 1 else ''}")
-        folder = next(p for p in (self.out, *self.out.resolve().parents) if p.exists())
-        free = shutil.disk_usage(folder).free
-        if needed <= free:
-            return
-        message = (f"{self.out}: the unfinished shards need {needed / 1e9:,.2f} GB ({how}); {folder}'s file system "
-                   f"has {free / 1e9:,.2f} GB free")
-        if self.codec.enabled and measured is None:
-            log.warning("%s uncompressed; checked again with %s's ratio after the first shard", message,
-                        self.codec.name)
-            return
-        raise NoRoomError(errno.ENOSPC, message)
 
     def planned(self, shard_name: str) -> PlannedShard:
         return next(s for s in self.shards if s.name == shard_name)
@@ -384,7 +310,7 @@ class Extraction(CaptureConfig):
         first_measured = self.codec.enabled and self.measured_codec_ratio() is None
         self._intact[shard.name] = receipt  # its hash was computed from the bytes as they were written
         if first_measured:
-            self.check_free_space()  # now with the codec's ratio on real states
+            room.check_free_space(self)  # now with the codec's ratio on real states
         return receipt
 
     def unfinished(self) -> list[PlannedShard]:
@@ -407,8 +333,8 @@ class Extraction(CaptureConfig):
             if shard not in todo and on_shard:
                 on_shard(shard, True)
         if todo:
-            self.check_host_buffer(todo)
-            self.tell_tmpfs_pages()
+            room.check_host_buffer(self, todo)
+            room.tell_tmpfs_pages(self.out)
             by_name = {s.name: s for s in todo}
             for result in get_engine(self.engine_settings()).extract([self.job(s) for s in todo]):
                 self.record(by_name[result.name], result)

@@ -17,6 +17,7 @@ from eagle_states.cli import main
 from eagle_states.coordination.retry import is_permanent
 from eagle_states.dataset.files import growing_file_huge, in_memory_filesystem
 from eagle_states.extraction.driver import Extraction
+from eagle_states.extraction.room import check_host_buffer
 from helpers import extraction_params, model_too_big_for_the_disk, write_prompt_jsonl
 
 
@@ -98,7 +99,7 @@ def told_of_spilling(caplog, llama_model, rows, out, spill_dir, checks: int = 1)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         for _ in range(checks):
-            extraction.check_host_buffer(extraction.unfinished())
+            check_host_buffer(extraction, extraction.unfinished())
     return [r.getMessage() for r in caplog.records if "spill files" in r.getMessage()]
 
 
@@ -153,6 +154,26 @@ def test_spill_files_in_ram_are_told_to_go_to_a_disk(workdir, caplog, llama_mode
         shutil.rmtree(in_ram)
 
 
+def test_a_spill_directory_without_room_for_every_spilled_sample_is_warned_of(workdir, caplog, llama_model):
+    """Spill files go once read back, so they only pile up when the writers fall behind the capture: where their
+    file system lacks room for every spilled sample at once (beyond the unfinished shards, where it holds those
+    too), the run warns and goes on; with room, it says nothing of it."""
+    huge = model_too_big_for_the_disk(llama_model, workdir)  # 1 GiB a token and layer in fp32
+    rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 100, [5] * 129, [5] * 90])
+    extraction = Extraction(extraction_params(huge, rows, workdir / "ds", dtype="float32", host_buffer_gb=0.0001,
+                                              max_num_batched_tokens=64, spill_dir=str(workdir / "spill")))
+    with caplog.at_level(logging.WARNING):
+        check_host_buffer(extraction, extraction.unfinished())
+    room = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spill files may hold")]
+    assert len(room) == 1, caplog.text  # one sample spills (129 tokens x 4 layers x 1 GiB); the shards: 319 tokens
+    assert room[0].startswith(f"spill files may hold up to 138.51 GB at once in {workdir / 'spill'} (the "
+                              "states of 1 spilled sample, if the shards' writers fall behind the capture); its file "
+                              "system has 0.00 GB free beyond the unfinished shards' 342.52 GB: set "
+                              "extract.spill_dir to a disk with room"), room[0]
+    told = told_of_spilling(caplog, llama_model, rows, workdir / "ds2", workdir / "spill")
+    assert len(told) == 1 and not any(message.startswith("spill files may hold") for message in told)
+
+
 class Told(logging.Handler):
     """The messages of one logger: the command line hands the root logger's handlers to Prefect's, whose stream
     under pytest may be an earlier test's."""
@@ -170,7 +191,7 @@ class Told(logging.Handler):
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root: there it runs)")
 def test_shards_into_a_tmpfs_without_huge_pages_are_told_how_to_give_it_some(workdir, caplog, llama_model):
     rows = write_prompt_jsonl(workdir / "rows.jsonl", [[5] * 20])
-    told = Told("eagle_states.extraction.driver", caplog)
+    told = Told("eagle_states.extraction.room", caplog)
     try:
         for huge in ("never", "within_size"):
             ram = workdir / f"ram-{huge}"
@@ -192,7 +213,7 @@ def test_shards_into_a_tmpfs_without_huge_pages_are_told_how_to_give_it_some(wor
             else:
                 assert said == []
     finally:
-        logging.getLogger("eagle_states.extraction.driver").removeHandler(told)
+        logging.getLogger("eagle_states.extraction.room").removeHandler(told)
 
 
 def test_errors_that_stay_are_not_retried():

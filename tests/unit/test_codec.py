@@ -14,7 +14,8 @@ from safetensors import safe_open
 from eagle_states.capture.engine import ShardResult
 from eagle_states.dataset.codec import Codec, CorruptTensorError
 from eagle_states.dataset.shard_file import ShardReader, read_header, write_shard_file
-from eagle_states.extraction.driver import Extraction, NoRoomError
+from eagle_states.extraction.driver import Extraction
+from eagle_states.extraction.room import NoRoomError, check_free_space
 from helpers import extraction_params, model_too_big_for_the_disk, refuse_a_write, write_prompt_jsonl
 
 ZSTD, LZ4 = Codec("blosc2-zstd"), Codec("blosc2-lz4")
@@ -127,7 +128,7 @@ def test_with_a_codec_the_size_check_waits_for_the_first_shard_then_uses_its_rat
                                max_num_batched_tokens=200, codec="blosc2-zstd")
     extraction = Extraction(params)
     with caplog.at_level(logging.WARNING):
-        extraction.check_free_space()  # uncompressed it does not fit; the codec may make it: a warning, no refusal
+        check_free_space(extraction)  # uncompressed it does not fit; the codec may make it: a warning, no refusal
     assert "uncompressed; checked again with blosc2-zstd's ratio after the first shard" in caplog.text
     first = extraction.shards[0]
     raw = 400 * 4 * 2 ** 26 * 4
