@@ -27,7 +27,8 @@ CODECS = ("none", "blosc2-zstd", "blosc2-lz4")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, llama_model):
     """`run(codec, dtype, out=...)` extracts the module's prompts (mixed lengths, chunked prefill: steps of 48
-    tokens) on an engine of that dtype kept for the next call (the bf16 test comes last); returns (dataset dir, cached shard count)."""
+    tokens) on an engine of that dtype kept for the next call (the bf16 test comes last); returns (dataset dir,
+    cached shard count)."""
     tmp = tmp_path_factory.mktemp("codec")
     source = write_prompt_jsonl(tmp / "prompts.jsonl", random_prompts([5, 17, 140, 3, 64, 9, 33, 12], 300, seed=21))
     engines = {}  # dtype -> EngineHolder; one loaded at a time (two do not fit in the CPU build's host memory)

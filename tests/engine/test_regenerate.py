@@ -86,7 +86,8 @@ def setup(tmp_path_factory, llama_model):
     in_replies = Counter(t for reply in replies for t in reply if t > 4)  # not a special token
     stop = min(in_replies, key=lambda t: (abs(in_replies[t] - len(replies) / 3), t))
     config = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], stop]}))
+    stops = {**config, "eos_token_id": [config["eos_token_id"], stop]}
+    (model / "generation_config.json").write_text(json.dumps(stops))
     yield {"tmp": tmp, "model": model, "data": data, "engines": engines, "counting": counting, "stop": stop}
     engines.close()
 

@@ -37,8 +37,8 @@ def test_a_crashed_holders_slot_frees_within_the_lease_and_the_wait_is_logged(tm
         assert holder.stdout.readline().strip() == "held"
         log = open(tmp_path / "run.log", "w")
         started = time.monotonic()
-        run = subprocess.Popen([str(BIN / "eagle-states"), "run", "--json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=log, text=True)
+        run = subprocess.Popen([str(BIN / "eagle-states"), "run", "--json"], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=log, text=True)
         deadline = time.time() + 300
         while "waiting for a free 'gpu-engine' slot" not in (tmp_path / "run.log").read_text():
             assert time.time() < deadline and run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]

@@ -61,8 +61,8 @@ def test_model_directory_problems(workdir, capsys, llama_model):
 def test_data_and_settings_problems(workdir, capsys, llama_model):
     assert "is a directory; give a JSON or JSONL file" in fails(
         capsys, "run", "--model", str(llama_model), "--data", str(workdir))
-    assert fails(capsys, "extract", "--model", str(llama_model), "--layer-ids", "1,2,x") == \
-        "eagle-states extract: error: extract.layer_ids: layer ids '1,2,x': give 'eagle3' or integers separated by commas"
+    assert fails(capsys, "extract", "--model", str(llama_model), "--layer-ids", "1,2,x") == ("eagle-states extract: "
+        "error: extract.layer_ids: layer ids '1,2,x': give 'eagle3' or integers separated by commas")
     assert "layer ids [9] outside 0..8" in fails(capsys, "run", "--model", str(llama_model), "--layer-ids", "2,9")
     garbage = workdir / "garbage.jsonl"
     garbage.write_bytes(b'{"id": "a", "input_ids": [5], "loss_mask": [1]}\n\xff\xfe\x00binary\n')

@@ -8,7 +8,8 @@ from eagle_states.demo import _KEYS, _VALUES, _train_tokenizer, demo_conversatio
 
 def test_recipes_are_seeded_and_the_default_is_chat():
     assert demo_conversations(8, 3) == demo_conversations(8, 3, "chat") != demo_conversations(8, 3, "recall")
-    assert demo_conversations(8, 3, "recall") == demo_conversations(8, 3, "recall") != demo_conversations(8, 4, "recall")
+    recall = demo_conversations(8, 3, "recall")
+    assert recall == demo_conversations(8, 3, "recall") != demo_conversations(8, 4, "recall")
     with pytest.raises(ValueError, match="recipe"):
         demo_conversations(1, 0, "poems")
 

@@ -47,7 +47,8 @@ def test_the_final_layer_control_trains_towards_the_aux_slot_one_layer_below_the
     T, H = 5, 4
     aux = torch.arange(T * 3 * H, dtype=torch.float32).view(T, 3 * H)
     batch = {"input_ids": torch.arange(T), "hidden_states": aux, "verifier_last_hidden_states": -torch.ones(T, H),
-             "loss_mask": torch.ones(T, dtype=torch.long), "lengths": torch.tensor([T]), "position_ids": torch.arange(T)}
+             "loss_mask": torch.ones(T, dtype=torch.long), "lengths": torch.tensor([T]),
+             "position_ids": torch.arange(T)}
     right, wrong = shift_batch(batch), _final_from_slot(shift_batch, 2, H)(batch)
     assert torch.equal(wrong["verifier_last_hidden_states"], aux[1:, 2 * H:])  # aligned as the final state was
     assert torch.equal(right["verifier_last_hidden_states"], -torch.ones(T - 1, H))

@@ -130,7 +130,8 @@ def test_options_truncate_limit_shuffle_and_keep_duplicates(tmp_path, llama_mode
     report = prepare(data, llama_model, tmp_path / "a", PrepareParams(max_length=30, limit=4, shuffle_seed=3,
                                                                          dedup=False), fmt="auto", progress=False)
     frame = pd.read_parquet(tmp_path / "a" / "samples.parquet")
-    assert report["format"] == "messages" and len(frame) == 4 and (frame["num_tokens"] <= 30).all() and (frame["num_tokens"] == 30).any()
+    assert report["format"] == "messages" and len(frame) == 4
+    assert (frame["num_tokens"] <= 30).all() and (frame["num_tokens"] == 30).any()
     assert report["skipped_by_reason"] == {"over_limit": 7}
     assert list(frame["source_row"]) != sorted(frame["source_row"])  # shuffled
     report = prepare(data, llama_model, tmp_path / "b", PrepareParams(dedup=False), fmt="auto", progress=False)
