@@ -406,7 +406,8 @@ def format_result(result: dict) -> str:
         f"tokens, {result['write_threads']} writer threads, codec level {result['codec_level']} with "
         f"{result['codec_threads']} threads per writer",
         f"plain prefill   {result['plain_tok_s_median']:>12,.0f} tokens/s (median); device time in forward passes "
-        f"{result['plain_forward_s_median']:.2f} s, idle between them {result['plain_between_forwards_s_median']:.2f} s",
+        f"{result['plain_forward_s_median']:.2f} s, idle between them "
+        f"{result['plain_between_forwards_s_median']:.2f} s",
     ]
     for codec, c in result["captures"].items():
         encode = (f", the codec {c['encode_gb_s_per_writer_median']:.2f} GB/s per writer thread"

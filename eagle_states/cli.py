@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ExtractParams()
 
     def params_flag(p):
-        p.add_argument("--params", help="the parameters file (default: params.yaml where there is one; a file named here must exist)")
+        p.add_argument("--params", help="the parameters file (default: params.yaml where there is one; a file "
+                                        "named here must exist)")
 
     def model_flag(p, what="the target model"):
         p.add_argument("--model", help=f"{what}: a local HF-format model directory (default: model.path)")
@@ -299,10 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     def progress_flag(p):
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("make-demo-model", help="write the built-in small model (random weights, or trained with --train-steps)")
+    p = sub.add_parser("make-demo-model",
+                       help="write the built-in small model (random weights, or trained with --train-steps)")
     p.add_argument("dir", help="where to write it")
-    p.add_argument("--device", default="cpu", help="where to initialise (and train) the weights; cuda is faster for big "
-                                                  "shapes (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="where to initialise (and train) the weights; cuda is faster "
+                                                  "for big shapes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
     p.add_argument("--arch", choices=["llama", "deepseek-v3", "deepseek-v3-cuda", "deepseek-v3-real"],
                    default="llama", help="deepseek-v3: MLA + MoE at toy size (the CPU build's head sizes); "

@@ -74,8 +74,9 @@ class ExtractParams(_Section):
     input: Optional[str] = Field(None, description="prepared directory or JSONL of token ids; default: prepare.out")
     # the string form ("2,16,29,32", as on the command line) is turned into the list before validation; it is in
     # the type so that Prefect's parameter form accepts it too
-    layer_ids: Union[Literal["eagle3"], list[int], Annotated[str, StringConstraints(pattern=r"^\s*\d+(\s*,\s*\d+)*\s*$")]] = \
-        Field("eagle3", description="'eagle3' = [2, N//2, N-3, N], or layer ids: a list or '2,16,29,32'")
+    layer_ids: Union[Literal["eagle3"], list[int],
+                     Annotated[str, StringConstraints(pattern=r"^\s*\d+(\s*,\s*\d+)*\s*$")]] = Field(
+        "eagle3", description="'eagle3' = [2, N//2, N-3, N], or layer ids: a list or '2,16,29,32'")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     shard_max_tokens: int = Field(8192, gt=0, description="tokens per shard; a multiple of max_num_batched_tokens "
                                   "(32768 on a GPU)")

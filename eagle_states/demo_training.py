@@ -4,8 +4,9 @@ nothing: acceptance measured on them means nothing).
 
 Seeded and deterministic (`torch.use_deterministic_algorithms`, one generator for the batches): the same
 arguments give the same weights on the same machine (on CUDA, where attention's backward may warn that it has no
-deterministic kernel and the matmuls run in TF32, two H200s recorded the same 200 losses for 2,000 steps). Plain next-token loss on the conversations rendered with
-the chat template, AdamW with a cosine schedule; a few minutes on two cores for the default 160 steps.
+deterministic kernel and the matmuls run in TF32, two H200s recorded the same 200 losses for 2,000 steps). Plain
+next-token loss on the conversations rendered with the chat template, AdamW with a cosine schedule; a few minutes
+on two cores for the default 160 steps.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def train_demo_model(out_dir: Path, *, steps: int = 160, seed: int = 0, conversa
             log.info("training the demo target: step %d/%d, loss %.3f", step + 1, steps, losses[-1])
     save_bf16(model, out_dir)
     (out_dir / TRAINING_FILE).write_text(json.dumps({
-        "steps": steps, "seed": seed, "recipe": recipe, "device": device, "conversations": conversations, "data_seed": data_seed, "seq_len": seq_len,
+        "steps": steps, "seed": seed, "recipe": recipe, "device": device, "conversations": conversations,
+        "data_seed": data_seed, "seq_len": seq_len,
         "batch": batch, "lr": lr, "tokens_seen": steps * batch * seq_len, "final_loss": losses[-1],
         "loss_every_10_steps": losses[::10], "seconds": round(time.monotonic() - started, 1)}, indent=2) + "\n")
     return out_dir

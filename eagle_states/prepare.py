@@ -293,7 +293,8 @@ def prepare(data_path: Path, model_dir: Path, out_dir: Path, prepare_params: Pre
     log.info("prepare: %s format, masks from %s", result.format, result.mask_method)
 
     report = write_prepared(out_dir, result.samples, result.skipped, len(tokenizer), {
-        "source": str(data_path), "data_sha256": sha256_file(data_path), "format": result.format, "mask_method": result.mask_method,
+        "source": str(data_path), "data_sha256": sha256_file(data_path), "format": result.format,
+        "mask_method": result.mask_method,
         "rows_read": result.rows_read, "settings": {**prepare_params.model_dump(exclude={"out"}), "format": fmt},
         "tokenizer_sha256": template_key, "identity": identity})
     return report

@@ -352,7 +352,8 @@ def check_made_from(dataset_dir: Path, manifest: dict, prepared_dir: Path) -> No
     found = prepared_input_hash(prepared_dir)
     if found != manifest.get("input_sha256"):
         raise NotTheInput(f"{prepared_dir} is not the input {dataset_dir} was made from (its samples hash "
-                          f"{(found or 'none')[:12]}, the manifest's input_sha256 {str(manifest.get('input_sha256'))[:12]}); "
+                          f"{(found or 'none')[:12]}, the manifest's input_sha256 "
+                          f"{str(manifest.get('input_sha256'))[:12]}); "
                           "give the prepared directory it was made from with --prepared, or none")
 
 

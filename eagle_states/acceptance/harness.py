@@ -86,8 +86,8 @@ def run_acceptance(dataset: Path, out: Path, *, recipe: DraftRecipe = DraftRecip
         trained = json.loads((draft_dir / TRAINING_FILE).read_text())
         served = measure_acceptance(target, draft_dir, prompts, num_speculative_tokens=num_speculative_tokens,
                                     max_tokens=max_tokens, dtype=dtype)
-        rows.append({"draft": control, "dir": str(draft_dir), **served.summary(), "train_final_loss": trained["final_loss"],
-                     "train_steps": trained["steps"], "val": trained["val"],
+        rows.append({"draft": control, "dir": str(draft_dir), **served.summary(),
+                     "train_final_loss": trained["final_loss"], "train_steps": trained["steps"], "val": trained["val"],
                      "trained_on_layer_ids": trained["trained_on_layer_ids"]})
         log.info("acceptance of the %s draft: %.3f (mean length %.2f)", control, served.acceptance_rate,
                  served.mean_acceptance_length)

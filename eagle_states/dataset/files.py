@@ -229,9 +229,9 @@ def unnamed_file(directory: str) -> int | None:
 def atomic_file(path: Path, durable: bool = True, direct: bool = False) -> Iterator[StreamingFile | DirectFile]:
     """A file at a temp name in the same directory, written through `StreamingFile` (or `DirectFile` with
     `direct`, where the filesystem takes O_DIRECT and is not in memory); on success it is fsynced and renamed to
-    `path`, on failure removed: a crash never leaves a partial file under the final name. `durable=False` skips the fsync, for
-    small files that a caller makes durable later with `fsync_path` (an fsync waits for the filesystem journal,
-    which can wait for gigabytes of other files' writes in flight). Once a stop on a signal has begun
+    `path`, on failure removed: a crash never leaves a partial file under the final name. `durable=False` skips the
+    fsync, for small files that a caller makes durable later with `fsync_path` (an fsync waits for the filesystem
+    journal, which can wait for gigabytes of other files' writes in flight). Once a stop on a signal has begun
 (`stopping`), no file is renamed into place any more."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,9 @@ from eagle_states.dataset.layout import (FORMAT_NAME, FORMAT_VERSION, LAYER_SEMA
 def build_manifest(*, layers: LayerSelection, model: dict, dtype: str, shards: list[dict], num_samples: int,
                    num_tokens: int, num_loss_tokens: int, input_sha256: str, codec: dict, versions: dict,
                    extra: dict | None = None) -> dict:
-    """`shards`: [{name, file, blake3 (sha256 before 2026-12-02), bytes, num_samples, num_tokens}], in shard order; `codec`: how the hidden
-    states are stored (`codec.Codec.record()`; a dataset from before codecs has none, which reads as "none")."""
+    """`shards`: [{name, file, blake3 (sha256 before 2026-12-02), bytes, num_samples, num_tokens}], in shard order;
+    `codec`: how the hidden states are stored (`codec.Codec.record()`; a dataset from before codecs has none,
+    which reads as "none")."""
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

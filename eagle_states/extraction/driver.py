@@ -152,9 +152,10 @@ class CaptureConfig:
 
     Three keys, three meanings: `config_hash` decides the bytes of every shard of the extraction (the receipts'
     and the manifest's `config_hash`); `shard_key(shard)`, the shard cache key, is one shard's (its content and
-    the config hash, both in its receipt; the Prefect shard cache and the shard tasks carry it); `serving_key` is what an engine can serve
-    (the config hash and the room for the longest prompt): an engine worker serves one, and shards of another
-    model or other settings never reach it (`coordination.worker_tasks.task_key` is its Prefect queue)."""
+    the config hash, both in its receipt; the Prefect shard cache and the shard tasks carry it); `serving_key` is
+    what an engine can serve (the config hash and the room for the longest prompt): an engine worker serves one,
+    and shards of another model or other settings never reach it (`coordination.worker_tasks.task_key` is its
+    Prefect queue)."""
 
     def __init__(self, params: PipelineParams, layers: LayerSelection | None = None):
         """`layers`: the selection already resolved from these parameters (`stages.check_inputs`), if it was."""
@@ -280,7 +281,8 @@ class Extraction(CaptureConfig):
             receipt = json.loads(path.read_text())
         except (OSError, ValueError):  # receipts are fsynced at finalize: after a power loss one may be empty
             return None
-        if receipt.get("config_hash") not in self.accepted_config_hashes or receipt.get("content_hash") != shard.content_hash:
+        if (receipt.get("config_hash") not in self.accepted_config_hashes
+                or receipt.get("content_hash") != shard.content_hash):
             return None
         if not file.exists() or file.stat().st_size != receipt["bytes"] or not digest_matches(file, receipt):
             self.damaged.add(shard.name)  # finished once, lost or changed since: counted apart when rewritten
